@@ -1,0 +1,304 @@
+"""Every contact point with SGLang internals, in one module.
+
+The rest of the package imports SGLang only through here, so an SGLang upgrade is a
+change to this file. Supported: ``sglang>=0.5.17,<0.6``; tested on 0.5.17 (the H200)
+and 0.5.23 (CI, CPU). Where the two differ, the difference is detected from the
+installed code (a signature, an attribute), not from the version string, and is
+named below.
+
+Manifest of what we use, and why:
+
+* ``SpeculativeAlgorithm`` (enum) and ``.register(...)``: register EAGLE3_DYNAMIC; the
+  EAGLE3 member is the reference our spec class delegates every predicate to.
+* ``spec_registry.CustomSpecAlgo`` / ``get_spec``: base class of our spec class;
+  idempotent registration.
+* ``plugins.hook_registry.HookRegistry``: an AFTER hook on
+  ``ServerArgs.add_cli_args`` adds our three flags to SGLang's own parser.
+* ``EAGLEWorkerV2``: the worker we subclass. Its ``forward_batch_generation`` takes
+  ``(batch, on_publish, grammar_barrier)`` on 0.5.17 and also ``pp_proxy_tensors``
+  on 0.5.23 (``spec_forward_kwargs``).
+* ``ScheduleBatch`` fields ``reqs, forward_mode, spec_info, spec_algorithm, input_ids,
+  out_cache_loc, seq_lens, seq_lens_cpu, seq_lens_sum, req_pool_indices,
+  return_logprob, has_grammar, enable_overlap`` (same names in both versions).
+* ``EagleDraftInput``: the spec state carried between steps; its pending token is
+  ``bonus_tokens`` in both versions.
+* ``GenerationBatchResult`` fields ``next_token_ids, accept_lens, new_seq_lens,
+  speculative_num_draft_tokens, next_draft_input, extra_keep_alive_refs,
+  logits_output.next_token_logprobs``.
+* ``ModelRunner.decode_cuda_graph_runner``: the target's only decode graph is a
+  TARGET_VERIFY graph when speculation is configured; a plain decode must not
+  replay it (``plain_decode_graphs``).
+* ``TpModelWorker.forward_batch_generation(batch, capture_hidden_mode=...)``: the
+  target's plain forward + sampling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+from typing import Any, Callable, Iterator, Optional
+
+import sglang
+import torch
+from sglang.srt.managers.schedule_batch import ScheduleBatch
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang.srt.speculative.eagle_info import EagleDraftInput
+from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+from sglang.srt.speculative.spec_registry import CustomSpecAlgo, get_spec
+
+logger = logging.getLogger("sglang_dynspec")
+
+SGLANG_VERSION: str = getattr(sglang, "__version__", "unknown")
+
+__all__ = [
+    "CaptureHiddenMode",
+    "CustomSpecAlgo",
+    "EAGLEWorkerV2",
+    "EagleDraftInput",
+    "ForwardMode",
+    "ScheduleBatch",
+    "SGLANG_VERSION",
+    "SpeculativeAlgorithm",
+    "get_spec",
+]
+
+
+# --------------------------------------------------------------------------- checks
+# Host symbols the plugin needs beyond the imports above (which fail loudly on their
+# own). Checked when the server starts, so a missing one is a start-up error that
+# names it, not an AttributeError in the middle of serving.
+_REQUIRED_ATTRIBUTES = (
+    (SpeculativeAlgorithm, "register"),
+    (SpeculativeAlgorithm, "EAGLE3"),
+    (SpeculativeAlgorithm.EAGLE3, "handle_server_args"),
+    (EAGLEWorkerV2, "forward_batch_generation"),
+    (EagleDraftInput, "bonus_tokens"),
+)
+
+
+def missing_host_symbols() -> list[str]:
+    """Names of SGLang internals this plugin relies on that the installed SGLang lacks."""
+    missing = []
+    for owner, name in _REQUIRED_ATTRIBUTES:
+        if not hasattr(owner, name) and name not in getattr(owner, "__dataclass_fields__", {}):
+            missing.append(f"{getattr(owner, '__qualname__', owner)}.{name}")
+    return missing
+
+
+# ---------------------------------------------------------------- algorithm identity
+# Methods of the enum that must NOT be answered as EAGLE3 would: constructors and
+# class-level API, the worker factory (ours), and methods that take the algorithm
+# itself as an argument to another object (defined explicitly below).
+_NOT_DELEGATED = frozenset(
+    {"from_string", "register", "create_worker", "create_future_map", "get_platform_worker_cls"}
+)
+
+
+def eagle3_method_names() -> list[str]:
+    """Public methods of SpeculativeAlgorithm that our spec class answers as EAGLE3.
+
+    Derived from the installed enum, not listed by hand, so a predicate added in a
+    later SGLang (``is_*``, ``supports_*``, ``need_topk`` ...) is covered without an edit.
+    """
+    names = []
+    for name, value in vars(SpeculativeAlgorithm).items():
+        if name.startswith("_") or name in _NOT_DELEGATED:
+            continue
+        if inspect.isfunction(value):
+            names.append(name)
+    return sorted(names)
+
+
+def _answer_as_eagle3(name: str) -> Callable:
+    reference = getattr(SpeculativeAlgorithm.EAGLE3, name)
+
+    @functools.wraps(reference)
+    def method(self, *args, **kwargs):
+        return getattr(SpeculativeAlgorithm.EAGLE3, name)(*args, **kwargs)
+
+    return method
+
+
+def make_eagle3_like_spec_class(name: str) -> type:
+    """A CustomSpecAlgo subclass that behaves exactly like the builtin EAGLE3.
+
+    Every predicate (``is_eagle``, ``is_eagle3``, ``supports_mixed_chunk``,
+    ``supports_grammar_overlap``, ``has_draft_kv``, ...), ``carries_draft_hidden_states``,
+    ``need_topk``, ``build_disagg_draft_input`` and ``handle_server_args`` is answered
+    by ``SpeculativeAlgorithm.EAGLE3``. The last one runs SGLang's own EAGLE-family
+    argument resolution (automatic steps/topk/draft tokens, the draft checks, the
+    max-running-requests default) without the plugin naming a private function.
+    """
+    body: dict[str, Any] = {m: _answer_as_eagle3(m) for m in eagle3_method_names()}
+
+    def create_future_map(self, device, req_to_token_pool, *args, **kwargs):
+        # The builtin passes the algorithm object into the FutureMap; pass ours.
+        from sglang.srt.managers.overlap_utils import FutureMap
+
+        return FutureMap(device, self, req_to_token_pool, *args, **kwargs)
+
+    def get_platform_worker_cls(self):
+        return None  # our factory picks the worker
+
+    body.update(
+        create_future_map=create_future_map,
+        get_platform_worker_cls=get_platform_worker_cls,
+        __doc__=f"{name}: answers every SpeculativeAlgorithm query as EAGLE3 does.",
+    )
+    return type(f"{name.title().replace('_', '')}Algorithm", (CustomSpecAlgo,), body)
+
+
+def register_algorithm(name: str, *, validate_server_args: Callable, worker_factory: Callable) -> bool:
+    """Register ``name`` once per process; return False if it already was."""
+    if get_spec(name) is not None:
+        return False
+    SpeculativeAlgorithm.register(
+        name,
+        supports_overlap=True,
+        validate_server_args=validate_server_args,
+        spec_class=make_eagle3_like_spec_class(name),
+    )(worker_factory)
+    return True
+
+
+def register_cli_args_hook(add_arguments: Callable[[Any], None]) -> None:
+    """Add arguments to SGLang's server parser (both launchers, and --config files)."""
+
+    def after_add_cli_args(result, parser, *args, **kwargs):
+        add_arguments(parser)
+        return result
+
+    HookRegistry.register(
+        "sglang.srt.server_args.ServerArgs.add_cli_args", after_add_cli_args, HookType.AFTER
+    )
+
+
+# --------------------------------------------------------------------- worker support
+_SPEC_FORWARD_PARAMS = frozenset(inspect.signature(EAGLEWorkerV2.forward_batch_generation).parameters)
+
+
+def spec_forward_kwargs(on_publish, grammar_barrier, pp_proxy_tensors) -> dict:
+    """Keyword arguments for ``EAGLEWorkerV2.forward_batch_generation``.
+
+    0.5.23 added ``pp_proxy_tensors``; 0.5.17 rejects it (TypeError), so it is passed
+    only where the installed signature has it.
+    """
+    kwargs = {"on_publish": on_publish, "grammar_barrier": grammar_barrier}
+    if "pp_proxy_tensors" in _SPEC_FORWARD_PARAMS:
+        kwargs["pp_proxy_tensors"] = pp_proxy_tensors
+    return kwargs
+
+
+def is_plain_decode_candidate(batch: ScheduleBatch) -> bool:
+    """A pure decode step: not prefill, not mixed prefill+decode, not a DP idle step."""
+    mode = batch.forward_mode
+    return mode.is_decode() and not batch.is_extend_in_batch
+
+
+def tensor_parallel_rank() -> int:
+    from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
+def metrics_enabled(server_args) -> bool:
+    return bool(getattr(server_args, "enable_metrics", False))
+
+
+def served_model_name(server_args) -> str:
+    return str(getattr(server_args, "served_model_name", None) or getattr(server_args, "model_path", ""))
+
+
+def decode_batch_size(batch: ScheduleBatch) -> int:
+    """Requests in the decode batch: ``len(batch.reqs)``, identical on every TP rank."""
+    return len(batch.reqs)
+
+
+@contextlib.contextmanager
+def plain_decode_graphs(model_runner, plain_graph_runner=None) -> Iterator[None]:
+    """Route the target's decode forward away from its TARGET_VERIFY CUDA graph.
+
+    With speculation configured, ``decode_cuda_graph_runner`` holds a graph captured
+    for ``num_draft_tokens`` tokens per request, and ``can_run_graph`` does not check
+    the forward mode: a plain DECODE would be replayed on it and fail with "size of
+    tensor a (bs*ndt) must match ... (bs)". Swapping in ``plain_graph_runner`` (None:
+    eager) for the duration of one forward is race-free because the scheduler runs
+    one forward at a time in this process; ``finally`` restores it.
+    """
+    saved = model_runner.decode_cuda_graph_runner
+    model_runner.decode_cuda_graph_runner = plain_graph_runner
+    try:
+        yield
+    finally:
+        model_runner.decode_cuda_graph_runner = saved
+
+
+def run_target_decode(target_worker, batch: ScheduleBatch):
+    """One plain forward + sampling of the target model on ``batch``.
+
+    ``capture_hidden_mode=None`` lets SGLang derive it from the batch (hidden states
+    only when a request asked for them); with ``spec_info`` None nothing forces the
+    FULL capture that verify needs.
+    """
+    return target_worker.forward_batch_generation(batch, capture_hidden_mode=None)
+
+
+def pending_tokens(draft_input: EagleDraftInput) -> torch.Tensor:
+    """# [bs] the last target-sampled token of each request, not yet in the KV cache."""
+    return draft_input.bonus_tokens
+
+
+def plain_step_draft_input(
+    next_tokens: torch.Tensor, previous: EagleDraftInput, carry_draft_state: bool
+) -> EagleDraftInput:
+    """The spec state handed to the next step after a plain step.
+
+    ``next_tokens`` becomes the pending token, as a verify step's bonus would. The
+    draft's top-k and hidden state are those of the last speculative step:
+
+    * synchronous scheduler: batch filtering and merging slice ``topk_p``,
+      ``topk_index`` and ``hidden_states`` unconditionally, so they are carried;
+    * overlap scheduler: left None, so the FutureMap keeps the rows it has
+      ("Staging transitions refresh only the bonus token", overlap_utils.py).
+    """
+    new = EagleDraftInput(
+        bonus_tokens=next_tokens,
+        capture_hidden_mode=CaptureHiddenMode.LAST,
+        num_tokens_per_req=1,
+        num_tokens_for_logprob_per_req=1,
+    )
+    if carry_draft_state:
+        new.topk_p = previous.topk_p
+        new.topk_index = previous.topk_index
+        new.hidden_states = previous.hidden_states
+        new.draft_probs = previous.draft_probs
+    return new
+
+
+def finish_plain_result(out, plain_batch: ScheduleBatch, draft_input: Optional[EagleDraftInput],
+                        carry_draft_state: bool):
+    """Shape a plain forward's result as the v2 scheduler expects a spec result.
+
+    One token per request: ``accept_lens`` of ones (a tensor: the scheduler copies it
+    to the host and asserts it is there), row stride 1, ``new_seq_lens`` = committed
+    length + 1, and logprobs in the spec layout ``[bs, max_accept] = [bs, 1]``.
+    """
+    next_tokens = out.next_token_ids  # [bs]
+    bs = next_tokens.shape[0]
+    out.accept_lens = torch.ones(bs, dtype=torch.int32, device=next_tokens.device)
+    out.new_seq_lens = plain_batch.seq_lens  # [bs], a new tensor (see fresh_batch)
+    out.speculative_num_draft_tokens = 1
+    if hasattr(out, "speculative_output_stride"):
+        out.speculative_output_stride = 1
+    logits = out.logits_output
+    if plain_batch.return_logprob and logits is not None and logits.next_token_logprobs is not None:
+        logits.next_token_logprobs = logits.next_token_logprobs.view(-1, 1)
+    out.next_draft_input = plain_step_draft_input(next_tokens, draft_input, carry_draft_state)
+    # The overlap scheduler keeps the inputs of a launched forward alive for two
+    # iterations; these are the tensors this step created.
+    out.extra_keep_alive_refs = [plain_batch.input_ids, plain_batch.out_cache_loc, plain_batch.seq_lens]
+    return out

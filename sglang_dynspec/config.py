@@ -1,0 +1,194 @@
+"""The plugin's settings: three flags, their environment variables, defaults and checks.
+
+Pure Python (no torch, no SGLang), so every message can be unit-tested.
+
+Why environment variables carry the values: ``ServerArgs`` is a closed record, so a
+plugin flag cannot become a field of it. Each flag's argparse action writes its
+value to an environment variable at parse time; the spawned scheduler processes
+inherit the environment and the worker reads it there. With ``sglang.Engine(...)``
+there is no command line, so the environment variables are the interface.
+
+Defaults come from the H200 measurement in the README (Llama-3.1-8B shape, EAGLE-3
+with acceptance 3.0, 2026-11-29): EAGLE-3 / baseline throughput was 1.07 at
+concurrency 32 and 0.78 at 64, so speculation stops paying for itself between 32
+and 64 running requests. Plain decode above 32, speculation again at or below 28
+(1/8 lower, so a batch that hovers around 32 does not flap), and at least 8 decode
+steps between two switches.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from sglang_dynspec.policy import SwitchThresholds
+
+ALGORITHM_NAME = "EAGLE3_DYNAMIC"
+
+DEFAULT_DISABLE_ABOVE = 32
+DEFAULT_MIN_DWELL_STEPS = 8
+
+
+def default_enable_at_or_below(disable_above: int) -> int:
+    """Slightly below N: one eighth lower, at least one lower, never negative."""
+    return max(0, disable_above - max(1, disable_above // 8))
+
+
+class ConfigError(ValueError):
+    """A bad plugin setting. The message names the flag and what is accepted."""
+
+
+@dataclass(frozen=True)
+class Flag:
+    option: str  # command-line spelling
+    env: str  # environment variable the value travels in
+    help: str
+
+    @property
+    def dest(self) -> str:
+        # Not a ServerArgs field on purpose: ServerArgs.from_cli_args copies only its
+        # own fields, so this attribute is dropped after parsing (the env var stays).
+        return "_dynspec_" + self.option.lstrip("-").replace("-", "_")
+
+    def describe(self) -> str:
+        return f"{self.option} (environment variable {self.env})"
+
+
+DISABLE_THRESHOLD = Flag(
+    "--speculative-disable-batch-threshold",
+    "SGLANG_DYNSPEC_DISABLE_BATCH_THRESHOLD",
+    f"{ALGORITHM_NAME}: stop speculating while the running decode batch has more than "
+    f"N requests (default {DEFAULT_DISABLE_ABOVE}; 0 = plain decode whenever a request runs).",
+)
+ENABLE_THRESHOLD = Flag(
+    "--speculative-enable-batch-threshold",
+    "SGLANG_DYNSPEC_ENABLE_BATCH_THRESHOLD",
+    f"{ALGORITHM_NAME}: speculate again once the decode batch has at most M requests; "
+    "must be below the disable threshold (default: 1/8 below it).",
+)
+MIN_DWELL = Flag(
+    "--speculative-min-dwell-steps",
+    "SGLANG_DYNSPEC_MIN_DWELL_STEPS",
+    f"{ALGORITHM_NAME}: fewest decode steps between two mode switches "
+    f"(default {DEFAULT_MIN_DWELL_STEPS}).",
+)
+FLAGS = (DISABLE_THRESHOLD, ENABLE_THRESHOLD, MIN_DWELL)
+
+
+def _read_non_negative_int(flag: Flag, environ: Mapping[str, str]) -> Optional[int]:
+    raw = environ.get(flag.env)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ConfigError(
+            f"{flag.describe()} must be a non-negative integer, got {raw!r}"
+        ) from None
+    if value < 0:
+        raise ConfigError(f"{flag.describe()} must be a non-negative integer, got {value}")
+    return value
+
+
+def thresholds_from_environ(environ: Mapping[str, str] = os.environ) -> SwitchThresholds:
+    """Read and check the three settings; raise ConfigError naming the flag."""
+    disable_above = _read_non_negative_int(DISABLE_THRESHOLD, environ)
+    enable_at_or_below = _read_non_negative_int(ENABLE_THRESHOLD, environ)
+    dwell = _read_non_negative_int(MIN_DWELL, environ)
+
+    if disable_above is None:
+        disable_above = DEFAULT_DISABLE_ABOVE
+    if enable_at_or_below is None:
+        if disable_above == 0:
+            raise ConfigError(
+                f"{DISABLE_THRESHOLD.option} 0 leaves no room for "
+                f"{ENABLE_THRESHOLD.option}, which must be below it; to never speculate, "
+                "run without speculative decoding"
+            )
+        enable_at_or_below = default_enable_at_or_below(disable_above)
+    elif enable_at_or_below >= disable_above:
+        raise ConfigError(
+            f"{ENABLE_THRESHOLD.option} ({enable_at_or_below}) must be below "
+            f"{DISABLE_THRESHOLD.option} ({disable_above}): speculation stops above the "
+            "disable threshold and resumes at or below the enable threshold; accepted: "
+            f"0 <= M < N"
+        )
+    if dwell is None:
+        dwell = DEFAULT_MIN_DWELL_STEPS
+    return SwitchThresholds(disable_above, enable_at_or_below, dwell)
+
+
+# Settings of SGLang that the plugin does not support yet. Each entry is
+# (attribute, predicate on its value, the flag a user sets, why).
+_UNSUPPORTED = (
+    (
+        "pp_size",
+        lambda v: v is not None and v > 1,
+        "--pp-size",
+        "pipeline parallelism relays spec-only verify inputs between stages",
+    ),
+    (
+        "enable_dp_attention",
+        bool,
+        "--enable-dp-attention",
+        "every DP rank would have to take the same mode in the same step",
+    ),
+    (
+        "enable_two_batch_overlap",
+        bool,
+        "--enable-two-batch-overlap",
+        "the plain path does not split micro-batches",
+    ),
+    (
+        "enable_pdmux",
+        bool,
+        "--enable-pdmux",
+        "PD multiplexing runs its own decode streams",
+    ),
+    (
+        "speculative_adaptive",
+        bool,
+        "--speculative-adaptive",
+        f"{ALGORITHM_NAME} already decides when to speculate; the two controllers would fight",
+    ),
+    (
+        "enable_multi_layer_eagle",
+        bool,
+        "--enable-multi-layer-eagle",
+        "only single-layer EAGLE-3 drafts are supported",
+    ),
+)
+
+
+def unsupported_reason(server_args: Any) -> Optional[str]:
+    """Why this SGLang configuration cannot run EAGLE3_DYNAMIC, or None.
+
+    Reads attributes only (works on ServerArgs, its resolving view, or a stub).
+    """
+    for attr, is_set, option, why in _UNSUPPORTED:
+        value = getattr(server_args, attr, None)
+        if is_set(value):
+            return (
+                f"{option} ({attr}={value!r}) is not supported with "
+                f"--speculative-algorithm {ALGORITHM_NAME} ({why})"
+            )
+    return None
+
+
+def draft_architecture_error(draft_path: Optional[str], architectures: Optional[list]) -> Optional[str]:
+    """Check that the draft is an EAGLE-3 model; return an error message or None."""
+    if not draft_path:
+        return (
+            f"--speculative-draft-model-path is required with --speculative-algorithm "
+            f"{ALGORITHM_NAME}: pass an EAGLE-3 draft (architecture such as "
+            "LlamaForCausalLMEagle3)"
+        )
+    if not architectures or not any("Eagle3" in a for a in architectures):
+        return (
+            f"--speculative-draft-model-path {draft_path} is not an EAGLE-3 draft "
+            f"(its config.json lists architectures {architectures!r}); "
+            f"--speculative-algorithm {ALGORITHM_NAME} accepts only EAGLE-3 drafts, whose "
+            "architecture name contains 'Eagle3' (e.g. LlamaForCausalLMEagle3)"
+        )
+    return None

@@ -1,0 +1,131 @@
+"""Entry point (group ``sglang.srt.plugins``): registers EAGLE3_DYNAMIC and its flags.
+
+SGLang calls :func:`register` with no arguments in every process that may need the
+algorithm: the launcher (``sglang serve``, ``python -m sglang.launch_server``,
+``sglang.Engine``) before it parses arguments, and every spawned scheduler process
+before it builds workers. It may be called more than once per process, so it is
+idempotent.
+
+SGLang logs and swallows exceptions raised while plugins load; a failure here would
+surface much later as "Unknown speculative algorithm name". So ``register`` never
+raises for configuration problems: those are raised from ``validate_server_args``
+(argument resolution, before any weights load) and from the worker factory.
+
+Set ``SGLANG_DYNSPEC_ENABLED=0`` to keep the plugin from registering anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+
+from sglang_dynspec import config
+
+logger = logging.getLogger("sglang_dynspec")
+
+_registered = False
+
+
+def register() -> None:
+    """Register EAGLE3_DYNAMIC and the plugin's flags in this process (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    if os.environ.get("SGLANG_DYNSPEC_ENABLED", "1").strip().lower() in ("0", "false", "no"):
+        logger.info("[sglang-dynspec] disabled by SGLANG_DYNSPEC_ENABLED")
+        return
+    from sglang_dynspec import compat
+
+    compat.register_cli_args_hook(add_cli_flags)
+    compat.register_algorithm(
+        config.ALGORITHM_NAME,
+        validate_server_args=validate_server_args,
+        worker_factory=worker_factory,
+    )
+
+
+# ------------------------------------------------------------------------------ flags
+def _env_writing_action(flag: config.Flag) -> type:
+    class WriteToEnvironment(argparse.Action):
+        """Store the value and export it, so spawned scheduler processes see it."""
+
+        def __call__(self, parser, namespace, values, option_string=None):
+            if values < 0:
+                parser.error(f"argument {flag.option}: must be a non-negative integer, got {values}")
+            os.environ[flag.env] = str(values)
+            setattr(namespace, self.dest, values)
+
+    return WriteToEnvironment
+
+
+def add_cli_flags(parser: argparse.ArgumentParser) -> None:
+    """Add the three flags to SGLang's server argument parser."""
+    group = parser.add_argument_group(f"{config.ALGORITHM_NAME} (sglang-dynspec plugin)")
+    for flag in config.FLAGS:
+        group.add_argument(
+            flag.option,
+            type=int,
+            default=None,
+            dest=flag.dest,
+            metavar="N",
+            action=_env_writing_action(flag),
+            help=flag.help,
+        )
+
+
+# ------------------------------------------------------------------------- validation
+def _draft_architectures(path: str, revision=None):
+    """The ``architectures`` list of the draft's config.json (local dir or hub id)."""
+    local = os.path.join(path, "config.json")
+    if os.path.isfile(local):
+        with open(local) as f:
+            return json.load(f).get("architectures")
+    if os.path.isdir(path):
+        return None  # a directory without config.json is not a model
+    from transformers import PretrainedConfig
+
+    config_dict, _ = PretrainedConfig.get_config_dict(path, revision=revision)
+    return config_dict.get("architectures")
+
+
+def validate_server_args(server_args) -> None:
+    """Refuse, before weights load, anything EAGLE3_DYNAMIC cannot run.
+
+    Called by SGLang's argument resolution with the server arguments (or, on 0.5.23,
+    a recorder that reads through to them). Raises ValueError naming the flag.
+    """
+    from sglang_dynspec import compat
+
+    missing = compat.missing_host_symbols()
+    if missing:
+        raise RuntimeError(
+            f"sglang-dynspec cannot run on the installed SGLang {compat.SGLANG_VERSION}: "
+            f"it lacks {', '.join(missing)}. Supported: sglang>=0.5.17,<0.6."
+        )
+    config.thresholds_from_environ()  # raises ConfigError naming the flag
+    reason = config.unsupported_reason(server_args)
+    if reason:
+        raise config.ConfigError(reason)
+    draft = getattr(server_args, "speculative_draft_model_path", None)
+    try:
+        architectures = _draft_architectures(draft, getattr(server_args, "speculative_draft_model_revision", None)) if draft else None
+    except (OSError, ValueError) as e:
+        raise config.ConfigError(
+            f"--speculative-draft-model-path {draft}: cannot read its config.json ({e})"
+        ) from e
+    error = config.draft_architecture_error(draft, architectures)
+    if error:
+        raise config.ConfigError(error)
+
+
+def worker_factory(server_args):
+    """SGLang's worker factory for EAGLE3_DYNAMIC (runs in each scheduler process)."""
+    # Checked again here: this process may have been started without the launcher's
+    # validation (e.g. a scheduler spawned by a custom entry point).
+    config.thresholds_from_environ()
+    from sglang_dynspec.worker import DynamicEagleWorker
+
+    return DynamicEagleWorker

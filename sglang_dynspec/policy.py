@@ -1,0 +1,105 @@
+"""When to speculate: a hysteresis switch on the running decode batch size.
+
+Pure Python on purpose (no torch, no SGLang) so it can be tested exhaustively and
+so every tensor-parallel rank, fed the same replicated inputs, takes the same
+decision. Its only input is the decode batch size, which is identical on every TP
+rank; it never reads clocks, memory or anything rank-local (a rank that decided
+differently would deadlock the next collective).
+
+Rules, evaluated once per decode step, before the step runs:
+
+* speculating, ``batch_size > disable_above`` and the dwell allows -> plain decode;
+* plain decode, ``batch_size <= enable_at_or_below`` and the dwell allows -> speculate;
+* otherwise the mode is kept. Between the two thresholds this is hysteresis: a
+  batch that hovers around one threshold does not flap.
+
+"The dwell allows" means at least ``min_dwell_steps`` decode steps have run since
+the last switch. Upstream engines switch on a memoryless per-step lookup and flap
+when one prefill pushes the count across the line (vLLM #49548); the two
+thresholds plus the dwell are what this module adds.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Mode(str, enum.Enum):
+    """How one decode step runs."""
+
+    SPEC = "spec"  # EAGLE-3: draft, verify, draft-extend
+    PLAIN = "plain"  # one target decode on a fresh non-speculative batch
+
+
+@dataclass(frozen=True)
+class SwitchThresholds:
+    """The three knobs, already validated (see ``sglang_dynspec.config``)."""
+
+    disable_above: int  # N: plain while the decode batch exceeds N
+    enable_at_or_below: int  # M < N: speculate again at or below M
+    min_dwell_steps: int  # K: fewest decode steps between two switches
+
+    def __post_init__(self) -> None:
+        if self.disable_above < 0 or self.enable_at_or_below < 0 or self.min_dwell_steps < 0:
+            raise ValueError(f"thresholds must be non-negative, got {self}")
+        if self.enable_at_or_below >= self.disable_above:
+            raise ValueError(
+                f"enable_at_or_below ({self.enable_at_or_below}) must be below "
+                f"disable_above ({self.disable_above})"
+            )
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A mode change, reported once, at the step where it takes effect."""
+
+    step: int  # decode step index (0-based) that runs in the new mode
+    batch_size: int
+    old: Mode
+    new: Mode
+
+
+class SwitchPolicy:
+    """Decides the mode of each decode step; remembers only counters.
+
+    Call :meth:`decide` exactly once per decode step. Prefill and mixed steps do
+    not count: they take SGLang's own path in either mode.
+    """
+
+    def __init__(self, thresholds: SwitchThresholds, initial: Mode = Mode.SPEC):
+        self.thresholds = thresholds
+        self.mode = initial
+        self.decode_steps = 0
+        self.steps = {Mode.SPEC: 0, Mode.PLAIN: 0}
+        self.switches = {Mode.SPEC: 0, Mode.PLAIN: 0}  # keyed by the mode switched TO
+        # Steps since the last switch. Starts "long ago" so the very first decode
+        # step may already switch: the dwell protects against flapping, and there
+        # is nothing to flap from yet.
+        self._since_switch = thresholds.min_dwell_steps
+        self.last_switch: Switch | None = None
+
+    def wanted_mode(self, batch_size: int) -> Mode:
+        """The mode the thresholds ask for, ignoring the dwell."""
+        t = self.thresholds
+        if self.mode is Mode.SPEC and batch_size > t.disable_above:
+            return Mode.PLAIN
+        if self.mode is Mode.PLAIN and batch_size <= t.enable_at_or_below:
+            return Mode.SPEC
+        return self.mode
+
+    def decide(self, batch_size: int) -> Mode:
+        """Return the mode for this decode step and account for it."""
+        if batch_size < 0:
+            raise ValueError(f"batch_size must be >= 0, got {batch_size}")
+        self.last_switch = None
+        wanted = self.wanted_mode(batch_size)
+        if wanted is not self.mode and self._since_switch >= self.thresholds.min_dwell_steps:
+            self.last_switch = Switch(self.decode_steps, batch_size, self.mode, wanted)
+            self.switches[wanted] += 1
+            self.mode = wanted
+            self._since_switch = 0
+        self._since_switch += 1
+        self.steps[self.mode] += 1
+        self.decode_steps += 1
+        return self.mode

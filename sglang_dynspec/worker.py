@@ -1,0 +1,61 @@
+"""The EAGLE3_DYNAMIC worker: EAGLE-3 when the decode batch is small, plain decode when it is large.
+
+It only dispatches. The decision is ``policy.SwitchPolicy`` (pure, replicated inputs
+only, so every TP rank branches alike); the plain step is ``plain_step``; the
+speculative step, prefill and mixed prefill+decode batches are SGLang's own
+``EAGLEWorkerV2`` path, unchanged.
+
+Resuming speculation after plain steps is lossless (the target verifies every
+draft) and crash-free, because the draft state the scheduler keeps between steps
+is never resized: plain steps carry the last speculative step's draft top-k and
+hidden state forward. Until draft catch-up lands, the draft KV of positions
+generated in plain mode is not written, so the first drafts after a resume see a
+stale context and are accepted less often; acceptance recovers as new positions
+are drafted and verified.
+"""
+
+from __future__ import annotations
+
+from sglang_dynspec import compat
+from sglang_dynspec.config import thresholds_from_environ
+from sglang_dynspec.metrics import ModeMetrics
+from sglang_dynspec.plain_step import run_plain_decode
+from sglang_dynspec.policy import Mode, SwitchPolicy
+
+
+class DynamicEagleWorker(compat.EAGLEWorkerV2):
+    """EAGLEWorkerV2 that runs a plain target decode while the decode batch is large."""
+
+    def __init__(self, server_args, *args, **kwargs):
+        super().__init__(server_args, *args, **kwargs)
+        self.switch_policy = SwitchPolicy(thresholds_from_environ())
+        first_rank = compat.tensor_parallel_rank() == 0
+        self.mode_metrics = ModeMetrics(
+            export=first_rank and compat.metrics_enabled(server_args),
+            labels={"model_name": compat.served_model_name(server_args)},
+            log_switches=first_rank,
+        )
+        # Plain steps never replay the target's TARGET_VERIFY graph (it is sized
+        # for num_draft_tokens per request); None runs them eagerly.
+        self.plain_graph_runner = None
+        if first_rank:
+            t = self.switch_policy.thresholds
+            compat.logger.info(
+                "[sglang-dynspec] EAGLE3_DYNAMIC: plain decode above %d running requests, "
+                "EAGLE-3 again at or below %d, at least %d decode steps between switches "
+                "(SGLang %s)",
+                t.disable_above, t.enable_at_or_below, t.min_dwell_steps, compat.SGLANG_VERSION,
+            )
+
+    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None,
+                                 pp_proxy_tensors=None):
+        if compat.is_plain_decode_candidate(batch):
+            policy = self.switch_policy
+            mode = policy.decide(compat.decode_batch_size(batch))
+            self.mode_metrics.on_step(mode, policy.last_switch, policy.steps)
+            if mode is Mode.PLAIN:
+                return run_plain_decode(self, batch, on_publish, grammar_barrier,
+                                        self.plain_graph_runner)
+        return super().forward_batch_generation(
+            batch, **compat.spec_forward_kwargs(on_publish, grammar_barrier, pp_proxy_tensors)
+        )
