@@ -1,0 +1,99 @@
+"""Flag values, defaults and the messages a user sees for bad input (pure Python)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from sglang_dynspec import config
+from sglang_dynspec.config import (
+    DISABLE_THRESHOLD,
+    ENABLE_THRESHOLD,
+    MIN_DWELL,
+    ConfigError,
+    thresholds_from_environ,
+)
+
+
+def env(**values):
+    names = {"n": DISABLE_THRESHOLD.env, "m": ENABLE_THRESHOLD.env, "k": MIN_DWELL.env}
+    return {names[k]: v for k, v in values.items()}
+
+
+def test_defaults():
+    t = thresholds_from_environ({})
+    assert (t.disable_above, t.enable_at_or_below, t.min_dwell_steps) == (32, 28, 8)
+
+
+@pytest.mark.parametrize("n, expected_m", [(1, 0), (2, 1), (8, 7), (16, 14), (32, 28), (64, 56)])
+def test_enable_threshold_defaults_slightly_below_disable(n, expected_m):
+    assert thresholds_from_environ(env(n=str(n))).enable_at_or_below == expected_m
+
+
+def test_explicit_values():
+    t = thresholds_from_environ(env(n="10", m="3", k="0"))
+    assert (t.disable_above, t.enable_at_or_below, t.min_dwell_steps) == (10, 3, 0)
+
+
+@pytest.mark.parametrize(
+    "values, flag",
+    [
+        (dict(n="-1"), DISABLE_THRESHOLD),
+        (dict(m="-2"), ENABLE_THRESHOLD),
+        (dict(k="-3"), MIN_DWELL),
+        (dict(n="ten"), DISABLE_THRESHOLD),
+        (dict(k="1.5"), MIN_DWELL),
+    ],
+)
+def test_bad_values_name_the_flag_and_what_is_accepted(values, flag):
+    with pytest.raises(ConfigError) as e:
+        thresholds_from_environ(env(**values))
+    msg = str(e.value)
+    assert flag.option in msg and flag.env in msg
+    assert "non-negative integer" in msg
+
+
+@pytest.mark.parametrize("n, m", [(8, 8), (8, 9), (0, 0)])
+def test_enable_threshold_must_be_below_disable(n, m):
+    with pytest.raises(ConfigError) as e:
+        thresholds_from_environ(env(n=str(n), m=str(m)))
+    msg = str(e.value)
+    assert ENABLE_THRESHOLD.option in msg and DISABLE_THRESHOLD.option in msg
+    assert "0 <= M < N" in msg
+
+
+def test_disable_zero_needs_no_enable_value_to_fail_clearly():
+    with pytest.raises(ConfigError, match="--speculative-disable-batch-threshold 0"):
+        thresholds_from_environ(env(n="0"))
+
+
+@pytest.mark.parametrize(
+    "attrs, option",
+    [
+        (dict(pp_size=2), "--pp-size"),
+        (dict(enable_dp_attention=True), "--enable-dp-attention"),
+        (dict(enable_two_batch_overlap=True), "--enable-two-batch-overlap"),
+        (dict(enable_pdmux=True), "--enable-pdmux"),
+        (dict(speculative_adaptive=True), "--speculative-adaptive"),
+        (dict(enable_multi_layer_eagle=True), "--enable-multi-layer-eagle"),
+    ],
+)
+def test_unsupported_setups_are_named(attrs, option):
+    args = types.SimpleNamespace(pp_size=1, **{k: v for k, v in attrs.items() if k != "pp_size"})
+    if "pp_size" in attrs:
+        args.pp_size = attrs["pp_size"]
+    reason = config.unsupported_reason(args)
+    assert reason is not None and option in reason and "EAGLE3_DYNAMIC" in reason
+
+
+def test_supported_setup_has_no_reason():
+    args = types.SimpleNamespace(pp_size=1, enable_dp_attention=False, enable_two_batch_overlap=False)
+    assert config.unsupported_reason(args) is None
+
+
+def test_draft_checks():
+    assert "required" in config.draft_architecture_error(None, None)
+    msg = config.draft_architecture_error("/m/llama", ["LlamaForCausalLM"])
+    assert "--speculative-draft-model-path /m/llama" in msg and "EAGLE-3" in msg
+    assert config.draft_architecture_error("/m/d", ["LlamaForCausalLMEagle3"]) is None
