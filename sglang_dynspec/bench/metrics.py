@@ -1,0 +1,178 @@
+"""Scraping the server's Prometheus ``/metrics`` endpoint.
+
+SGLang exposes ``/metrics`` when launched with ``--enable-metrics``.  The
+EAGLE3_DYNAMIC plugin adds, from the scheduler process:
+
+* ``sglang:spec_dynamic_mode`` (gauge): 1 = speculating, 0 = plain decode;
+* ``sglang:spec_dynamic_decode_steps_total{mode="spec"|"plain"}`` (counter);
+* ``sglang:spec_dynamic_switches_total{to="spec"|"plain"}`` (counter);
+
+and SGLang itself exports ``sglang:num_running_reqs`` (gauge).
+
+SGLang attaches extra labels (``model_name``, ``tp_rank``, ``pp_rank``,
+``engine_type`` ...), so one logical metric may appear as several series.
+Counters and ``num_running_reqs`` are *summed* over those labels (keeping
+``mode``/``to``).  Counter sums over several TP ranks are a multiple of the
+per-rank count, which is harmless because the tool only looks at increments.
+The mode gauge is *not* summed (two TP ranks speculating would read 2): all
+ranks switch together, so the tool takes the maximum and additionally reports
+``mode_consistent=False`` if the series disagree.
+
+Samples are matched by their sample name (``..._total``), not by family name,
+because ``prometheus_client``'s parser strips ``_total`` from counter family
+names while some exporters do not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+MODE = "sglang:spec_dynamic_mode"
+STEPS = "sglang:spec_dynamic_decode_steps_total"
+SWITCHES = "sglang:spec_dynamic_switches_total"
+RUNNING = "sglang:num_running_reqs"
+
+
+@dataclass
+class MetricsSnapshot:
+    """The metrics the benchmark cares about; ``None`` = not exported."""
+
+    mode: Optional[int] = None
+    mode_consistent: bool = True
+    steps_spec: Optional[float] = None
+    steps_plain: Optional[float] = None
+    switches_to_plain: Optional[float] = None
+    switches_to_spec: Optional[float] = None
+    num_running_reqs: Optional[float] = None
+
+    @property
+    def has_plugin_metrics(self) -> bool:
+        return self.mode is not None or self.steps_spec is not None
+
+    def as_dict(self) -> Dict[str, object]:
+        return {
+            "mode": self.mode,
+            "steps_spec": self.steps_spec,
+            "steps_plain": self.steps_plain,
+            "switches_to_plain": self.switches_to_plain,
+            "switches_to_spec": self.switches_to_spec,
+            "num_running_reqs": self.num_running_reqs,
+        }
+
+
+def _add(d: Dict[str, float], key: str, v: float) -> None:
+    d[key] = d.get(key, 0.0) + v
+
+
+def parse_metrics(text: str) -> MetricsSnapshot:
+    """Extract a :class:`MetricsSnapshot` from Prometheus text exposition.
+
+    Raises ``ValueError`` if the text is not parseable Prometheus format.
+    """
+    steps: Dict[str, float] = {}
+    switches: Dict[str, float] = {}
+    modes = []
+    running: Optional[float] = None
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == MODE:
+                modes.append(s.value)
+            elif s.name == STEPS:
+                _add(steps, s.labels.get("mode", ""), s.value)
+            elif s.name == SWITCHES:
+                _add(switches, s.labels.get("to", ""), s.value)
+            elif s.name == RUNNING:
+                running = (running or 0.0) + s.value
+    snap = MetricsSnapshot(num_running_reqs=running)
+    if modes:
+        snap.mode = int(max(modes) > 0.5)
+        snap.mode_consistent = len({int(m > 0.5) for m in modes}) == 1
+    if modes or steps or switches:
+        # The plugin is there.  A counter (or label value) with no sample has
+        # simply not been incremented yet: prometheus_client only exports
+        # label sets that were touched, so read it as 0.
+        snap.steps_spec = steps.get("spec", 0.0)
+        snap.steps_plain = steps.get("plain", 0.0)
+        snap.switches_to_plain = switches.get("plain", 0.0)
+        snap.switches_to_spec = switches.get("spec", 0.0)
+    return snap
+
+
+async def fetch_metrics(session, base_url: str, timeout_s: float = 5.0) -> Optional[MetricsSnapshot]:
+    """GET ``{base_url}/metrics`` and parse it.
+
+    Returns ``None`` if the endpoint does not exist (server started without
+    ``--enable-metrics``); network errors propagate to the caller.
+    """
+    async with session.get(
+        base_url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)
+    ) as resp:
+        if resp.status == 404:
+            return None
+        resp.raise_for_status()
+        text = await resp.text()
+    return parse_metrics(text)
+
+
+class MetricsPoller:
+    """Polls ``/metrics`` at a fixed period and keeps the samples.
+
+    Each sample is stamped with the midpoint of the HTTP round trip on the
+    ``time.perf_counter`` clock, the same clock the load generator uses for
+    token arrivals, so the two timelines can be aligned exactly.
+    """
+
+    def __init__(self, session, base_url: str, period_s: float, on_sample=None):
+        self.session = session
+        self.base_url = base_url
+        self.period_s = period_s
+        self.on_sample = on_sample
+        self.samples: List[Tuple[float, Optional[MetricsSnapshot]]] = []
+        self.errors = 0
+        self.last_error: Optional[str] = None
+        #: True once a scrape succeeded, False if the first one found no
+        #: ``/metrics`` (404) or failed, None before the first scrape.
+        self.available: Optional[bool] = None
+
+    async def poll_once(self) -> None:
+        t0 = time.perf_counter()
+        snap: Optional[MetricsSnapshot]
+        try:
+            snap = await fetch_metrics(self.session, self.base_url)
+        except (asyncio.TimeoutError, aiohttp.ClientError, ValueError) as e:
+            # A scrape can time out or fail under heavy load; keep polling,
+            # the timeline just gets a sample with no values.
+            snap = None
+            self.errors += 1
+            self.last_error = repr(e)
+        t = (t0 + time.perf_counter()) / 2
+        if snap is not None:
+            self.available = True
+        elif self.available is None:
+            self.available = False
+        self.samples.append((t, snap))
+        if self.on_sample is not None:
+            self.on_sample(t, snap)
+
+    async def run(self, stop) -> None:
+        """Poll until the ``asyncio.Event`` ``stop`` is set, then poll once
+        more so the last switch is bracketed."""
+        next_t = time.perf_counter()
+        while not stop.is_set():
+            await self.poll_once()
+            next_t += self.period_s
+            delay = next_t - time.perf_counter()
+            if delay < 0:  # scrape slower than the period: don't burst
+                next_t = time.perf_counter()
+                delay = 0
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=delay)
+            except asyncio.TimeoutError:
+                pass
+        await self.poll_once()

@@ -1,0 +1,147 @@
+"""``sweep``: closed-loop throughput/latency at a list of concurrency levels.
+
+For every repeat and every concurrency ``C`` the sweep sends
+``--requests-per-point`` requests (default ``max(2*C, 4)``) keeping exactly
+``C`` in flight, then writes one ``sweep_point`` JSON line.  Repeats form the
+outer loop, so slow drift of the machine (clocks, thermals, other tenants)
+spreads over all points instead of biasing the last ones.
+
+If the server exports the EAGLE3_DYNAMIC metrics, the decode steps taken in
+each mode during the point are recorded too (``decode_steps_spec``,
+``decode_steps_plain``, ``spec_step_frac``), which shows directly at which
+concurrency the plugin stopped speculating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import uuid
+from typing import Dict, Optional
+
+from tqdm import tqdm
+
+from . import client
+from .metrics import MetricsSnapshot, fetch_metrics
+from .records import JsonlWriter, utc_now_iso
+from .stats import summarize_point
+
+
+def requests_for(concurrency: int, requests_per_point: Optional[int]) -> int:
+    """Default: two full waves of ``C`` requests, at least 4 requests."""
+    if requests_per_point is not None:
+        return requests_per_point
+    return max(2 * concurrency, 4)
+
+
+def _delta(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return None if a is None or b is None else b - a
+
+
+def mode_fields(before: Optional[MetricsSnapshot], after: Optional[MetricsSnapshot]) -> Dict[str, object]:
+    """Decode steps per mode taken during one point (``None`` without metrics)."""
+    if before is None or after is None:
+        spec = plain = None
+    else:
+        spec = _delta(before.steps_spec, after.steps_spec)
+        plain = _delta(before.steps_plain, after.steps_plain)
+    total = (spec or 0) + (plain or 0)
+    return {
+        "decode_steps_spec": spec,
+        "decode_steps_plain": plain,
+        "spec_step_frac": (spec / total) if spec is not None and total > 0 else None,
+    }
+
+
+async def _metrics_or_none(session, base_url) -> Optional[MetricsSnapshot]:
+    try:
+        snap = await fetch_metrics(session, base_url)
+    except Exception:  # metrics are a bonus here; never fail a sweep for them
+        return None
+    return snap if snap is not None and snap.steps_spec is not None else None
+
+
+async def run_sweep(args: argparse.Namespace) -> int:
+    base = client.normalize_base_url(args.url)
+    generate_url = base + "/generate"
+    prompt_mode = "text" if args.text else "input_ids"
+    log = lambda msg: tqdm.write(msg, file=sys.stderr)  # noqa: E731
+    run_id = uuid.uuid4().hex[:12]  # groups the points of one invocation
+
+    async with client.create_session(args.read_timeout_s) as session:
+        info = await client.fetch_server_info(session, base)
+        server = client.server_fields(info)
+        if info is None:
+            log(f"note: {base} has no /server_info; 'sglang' will be null")
+        use_metrics = await _metrics_or_none(session, base) is not None
+
+        if args.warmup > 0:
+            payloads = client.make_payloads(
+                args.warmup, args.prompt_len, args.output_len, args.text,
+                args.token_range, f"{args.seed}/warmup",
+            )
+            with tqdm(total=len(payloads), desc="warmup", leave=False,
+                      disable=not args.progress, file=sys.stderr) as bar:
+                traces, _ = await client.run_closed_loop(
+                    session, generate_url, payloads, args.warmup,
+                    on_done=lambda _t: bar.update(1),
+                )
+            client.check_errors(traces, "the warmup", generate_url)
+
+        with JsonlWriter(args.out, overwrite=args.overwrite) as out:
+            for repeat in range(args.repeats):
+                for conc in args.concurrency:
+                    n = requests_for(conc, args.requests_per_point)
+                    # Seed per (point, repeat): identical across configs so
+                    # servers are compared on the same prompts, distinct
+                    # across points so no point reuses another's KV cache.
+                    payloads = client.make_payloads(
+                        n, args.prompt_len, args.output_len, args.text,
+                        args.token_range, f"{args.seed}/c{conc}/r{repeat}",
+                    )
+                    before = await _metrics_or_none(session, base) if use_metrics else None
+                    with tqdm(total=n, desc=f"C={conc} repeat {repeat}", leave=False,
+                              disable=not args.progress, file=sys.stderr) as bar:
+                        traces, wall = await client.run_closed_loop(
+                            session, generate_url, payloads, conc,
+                            on_done=lambda _t: bar.update(1),
+                        )
+                    after = await _metrics_or_none(session, base) if use_metrics else None
+                    client.check_errors(traces, f"concurrency {conc}", generate_url)
+
+                    stats = summarize_point(traces, wall)
+                    record = {
+                        "kind": "sweep_point",
+                        "config": args.config,
+                        "run_id": run_id,
+                        "concurrency": conc,
+                        "repeat": repeat,
+                        **stats,
+                        **server,
+                        **mode_fields(before, after),
+                        "date": utc_now_iso(),
+                        "prompt_len": args.prompt_len,
+                        "output_len": args.output_len,
+                        "prompt_mode": prompt_mode,
+                        "url": base,
+                        **args.tags,
+                    }
+                    out.write(record)
+                    errors = f", {stats['num_errors']} FAILED" if stats["num_errors"] else ""
+                    log(
+                        f"[{args.config}] C={conc:<4d} repeat {repeat}: "
+                        f"{_fmt(stats['output_tok_s'], '.1f')} tok/s, "
+                        f"{_fmt(stats['per_request_tok_s'], '.1f')} tok/s/req, "
+                        f"ITL p50 {_fmt(stats['itl_p50_ms'], '.2f')} ms, "
+                        f"TTFT p50 {_fmt(stats['ttft_p50_ms'], '.1f')} ms, "
+                        f"accept {_fmt(stats['accept_length'], '.2f')}{errors}"
+                    )
+                    if stats["num_errors"]:
+                        first = next(t.error for t in traces if t.error)
+                        log(f"  first error: {first}")
+    log(f"results appended to {args.out}" if not args.overwrite else f"results written to {args.out}")
+    return 0
+
+
+def _fmt(v, spec: str) -> str:
+    return "n/a" if v is None else format(v, spec)
