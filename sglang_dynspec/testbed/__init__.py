@@ -8,3 +8,9 @@ Test-only infrastructure for this project's tests, CI and CPU demo:
 * ``plugin``: env-gated SGLang plugin that enables the spec-v2 overlap scheduler on CPU.
 * ``server``: ``CpuServer`` context manager and HTTP request helpers.
 """
+
+from pathlib import Path
+
+# The directory to put first on PYTHONPATH so that ``import sgl_kernel`` finds the
+# stand-in instead of the CUDA-only wheel.
+SHIM_DIR = Path(__file__).resolve().parent / "_shim"

@@ -14,9 +14,9 @@ def copy_all_layer_kv_cache_cpu(
     """For every buffer, copy slot ``src_loc[j]`` to slot ``tgt_loc[j]``.
 
     The real op takes raw addresses (``MHATokenToKVPool.data_ptrs``), not tensors,
-    so each buffer is re-viewed as ``[rows, stride]`` bytes through ctypes. All
-    sources are read before any target is written, like the tiled Triton kernel,
-    so overlapping moves (e.g. a swap) behave the same.
+    so each buffer is re-viewed as ``[rows, stride]`` bytes through ctypes. The
+    advanced-index read copies all sources before any target is written, like
+    the tiled Triton kernel, so overlapping moves (e.g. a swap) behave the same.
     """
     if tgt_loc.numel() == 0:
         return
@@ -27,4 +27,4 @@ def copy_all_layer_kv_cache_cpu(
     for address, row_bytes in zip(data_ptrs.tolist(), strides.tolist()):
         raw = (ctypes.c_uint8 * (num_rows * int(row_bytes))).from_address(int(address))
         rows = torch.frombuffer(raw, dtype=torch.uint8).view(num_rows, int(row_bytes))
-        rows[tgt] = rows[src].clone()
+        rows[tgt] = rows[src]
