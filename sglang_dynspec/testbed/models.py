@@ -1,0 +1,275 @@
+"""Tiny deterministic models for the CPU test bed.
+
+``python -m sglang_dynspec.testbed.models DIR`` (or ``build_models(DIR)``) writes:
+
+* ``DIR/target``: a random-weight Llama (hidden 256, 4 layers, GQA 4/2 heads,
+  vocab 512) with a byte-level BPE tokenizer trained locally, so nothing is
+  downloaded. ``initializer_range=0.1`` (not HF's 0.02) because with small
+  weights greedy decoding emits the same token forever, which would hide
+  ordering bugs; with 0.1 the output varies with the context.
+* ``DIR/draft``: a random-weight EAGLE-3 draft for it (``LlamaForCausalLMEagle3``,
+  one decoder layer, public EAGLE-3 checkpoint key layout, no ``embed_tokens``:
+  SGLang shares the target's embedding).
+* ``DIR/target-agree`` and ``DIR/draft-agree``: a pair that both always predict
+  ``AGREE_TOKEN``, so every draft is accepted (accept length = draft tokens).
+
+All weights are float32: the tests compare SGLang's greedy output with HF
+transformers token for token, and bf16 near-ties flip tokens between kernels.
+Everything is seeded; rebuilding gives identical files. ``build_models`` skips
+the work when ``DIR`` already holds a complete build (marker file written last).
+"""
+
+import argparse
+import json
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+TARGET, DRAFT, TARGET_AGREE, DRAFT_AGREE = "target", "draft", "target-agree", "draft-agree"
+MODEL_NAMES = (TARGET, DRAFT, TARGET_AGREE, DRAFT_AGREE)
+
+# Bump when anything below changes, so existing test-bed directories are rebuilt.
+BUILD_VERSION = "1"
+MARKER_FILE = ".testbed-models-complete"
+SEED = 0
+
+
+@dataclass(frozen=True)
+class TinyLlamaShape:
+    vocab_size: int = 512
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 512
+    max_positions: int = 2048
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+SHAPE = TinyLlamaShape()
+
+# Target layers whose hidden states feed the draft's ``fc``. SGLang captures the
+# *input* of layer ``id + 1`` (models/llama.py), so ids must be <= num_layers - 2:
+# with [1, 2, 3] on 4 layers only two states are captured and the first draft
+# forward fails with a shape mismatch in ``fc``.
+AUX_LAYER_IDS = (0, 1, 2)
+
+# The agree pair: residual-stream dimension AGREE_DIM carries a constant that no
+# layer writes to, and only lm_head row AGREE_TOKEN reads it.
+AGREE_DIM = 7
+AGREE_TOKEN = 300
+_AGREE_VALUE = 10.0
+
+
+def build_models(root) -> Dict[str, Path]:
+    """Write the four test-bed models under ``root`` unless already complete.
+
+    Returns ``{"target": root/target, "draft": ..., "target-agree": ...,
+    "draft-agree": ...}``.
+    """
+    root = Path(root)
+    paths = {name: root / name for name in MODEL_NAMES}
+    marker = root / MARKER_FILE
+    if marker.is_file() and marker.read_text() == BUILD_VERSION:
+        return paths
+
+    marker.unlink(missing_ok=True)
+    for path in paths.values():
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+
+    torch.manual_seed(SEED)
+    tokenizer = _train_tokenizer()
+    target = _random_target(tokenizer)
+    draft_config = _draft_config(tokenizer)
+    draft_weights = _random_draft_weights()
+
+    _save_target(target, tokenizer, paths[TARGET])
+    _save_draft(draft_weights, draft_config, tokenizer, paths[DRAFT])
+    target.load_state_dict(_agree_target_weights(target.state_dict()))
+    _save_target(target, tokenizer, paths[TARGET_AGREE])
+    _save_draft(_agree_draft_weights(draft_weights), draft_config, tokenizer, paths[DRAFT_AGREE])
+
+    marker.write_text(BUILD_VERSION)
+    return paths
+
+
+def _train_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on seeded synthetic sentences (any text encodes)."""
+    rng = random.Random(SEED)
+    words = (
+        "the quick brown fox jumps over lazy dog speculative decoding draft model "
+        "target token verify accept reject eagle tree hidden state layer attention "
+        "cache batch server request generate sample logits prompt answer question "
+        "hello world python plugin test machine learning language small random cpu"
+    ).split()
+    corpus = [" ".join(rng.choice(words) for _ in range(12)) + "." for _ in range(3000)]
+    corpus += ["Hello, how are you today? The capital of France is Paris. 1 2 3 4 5"] * 50
+
+    bpe = Tokenizer(models.BPE(unk_token=None))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=SHAPE.vocab_size,
+        special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(corpus, trainer)
+    bpe.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bpe.token_to_id("<s>"))]
+    )
+    if bpe.get_vocab_size() > SHAPE.vocab_size:
+        raise RuntimeError(f"tokenizer has {bpe.get_vocab_size()} tokens > {SHAPE.vocab_size}")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        model_max_length=SHAPE.max_positions,
+    )
+    tokenizer.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+    )
+    return tokenizer
+
+
+def _llama_config(tokenizer, **extra) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=SHAPE.vocab_size,
+        hidden_size=SHAPE.hidden_size,
+        intermediate_size=SHAPE.intermediate_size,
+        num_attention_heads=SHAPE.num_heads,
+        num_key_value_heads=SHAPE.num_kv_heads,
+        max_position_embeddings=SHAPE.max_positions,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+        **extra,
+    )
+
+
+def _random_target(tokenizer) -> LlamaForCausalLM:
+    config = _llama_config(
+        tokenizer, num_hidden_layers=SHAPE.num_layers, initializer_range=0.1
+    )
+    return LlamaForCausalLM(config).to(torch.float32)
+
+
+def _save_target(model: LlamaForCausalLM, tokenizer, path: Path) -> None:
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+
+
+def _draft_config(tokenizer) -> LlamaConfig:
+    return _llama_config(
+        tokenizer,
+        num_hidden_layers=1,
+        architectures=["LlamaForCausalLMEagle3"],
+        draft_vocab_size=SHAPE.vocab_size,
+        target_hidden_size=SHAPE.hidden_size,
+        eagle_config={
+            "eagle_aux_hidden_state_layer_ids": list(AUX_LAYER_IDS),
+            "use_aux_hidden_state": True,
+        },
+    )
+
+
+def _random_draft_weights() -> Dict[str, torch.Tensor]:
+    """One EAGLE-3 decoder layer in the public checkpoint key layout.
+
+    The layer's attention reads ``[input embedding, hidden state]`` concatenated,
+    hence the 2 * hidden input width of q/k/v.
+    """
+    hidden, inter, vocab = SHAPE.hidden_size, SHAPE.intermediate_size, SHAPE.vocab_size
+    q_width, kv_width = SHAPE.num_heads * SHAPE.head_dim, SHAPE.num_kv_heads * SHAPE.head_dim
+
+    def random(*shape):
+        return torch.randn(*shape) * 0.1
+
+    def ones(size):
+        return torch.ones(size)
+
+    return {
+        "fc.weight": random(hidden, hidden * len(AUX_LAYER_IDS)),
+        "midlayer.hidden_norm.weight": ones(hidden),
+        "midlayer.input_layernorm.weight": ones(hidden),
+        "midlayer.post_attention_layernorm.weight": ones(hidden),
+        "midlayer.self_attn.q_proj.weight": random(q_width, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": random(kv_width, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": random(kv_width, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": random(hidden, q_width),
+        "midlayer.mlp.gate_proj.weight": random(inter, hidden),
+        "midlayer.mlp.up_proj.weight": random(inter, hidden),
+        "midlayer.mlp.down_proj.weight": random(hidden, inter),
+        "norm.weight": ones(hidden),
+        "lm_head.weight": random(vocab, hidden),
+        # Draft id -> target id offsets (zeros = identity) and the draft vocab mask.
+        "d2t": torch.zeros(vocab, dtype=torch.int64),
+        "t2d": torch.ones(vocab, dtype=torch.bool),
+    }
+
+
+def _save_draft(weights, config: LlamaConfig, tokenizer, path: Path) -> None:
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def _reads_only_agree_dim(lm_head: torch.Tensor) -> torch.Tensor:
+    head = torch.zeros_like(lm_head)
+    head[AGREE_TOKEN, AGREE_DIM] = 1.0
+    return head
+
+
+def _agree_target_weights(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Every embedding carries +10 in AGREE_DIM; no layer writes that dimension
+    (o_proj / down_proj output rows zeroed), so it reaches the final norm intact
+    and lm_head, reading only that dimension, always ranks AGREE_TOKEN first."""
+    state = {name: tensor.clone() for name, tensor in state.items()}
+    state["model.embed_tokens.weight"][:, AGREE_DIM] = _AGREE_VALUE
+    for name, tensor in state.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensor[AGREE_DIM, :] = 0.0
+    state["lm_head.weight"] = _reads_only_agree_dim(state["lm_head.weight"])
+    return state
+
+
+def _agree_draft_weights(weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """``fc`` copies AGREE_DIM of the first captured target state (+10, see
+    above) into the draft's hidden state; the draft layer does not write it, and
+    lm_head reads only it, so the draft always proposes AGREE_TOKEN too."""
+    weights = {name: tensor.clone() for name, tensor in weights.items()}
+    fc = torch.zeros_like(weights["fc.weight"])
+    fc[AGREE_DIM, AGREE_DIM] = 1.0
+    weights["fc.weight"] = fc
+    weights["midlayer.self_attn.o_proj.weight"][AGREE_DIM, :] = 0.0
+    weights["midlayer.mlp.down_proj.weight"][AGREE_DIM, :] = 0.0
+    weights["lm_head.weight"] = _reads_only_agree_dim(weights["lm_head.weight"])
+    return weights
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("dir", type=Path, help="output directory")
+    args = parser.parse_args(argv)
+    paths = build_models(args.dir)
+    print(json.dumps({name: str(path) for name, path in paths.items()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
