@@ -218,23 +218,83 @@ def decode_batch_size(batch: ScheduleBatch) -> int:
     return len(batch.reqs)
 
 
+class PlainDecodeGraph:
+    """A plain DECODE CUDA graph runner for the target, with its own attention backend.
+
+    With speculation configured, the target's only decode graph is a TARGET_VERIFY
+    graph ``num_draft_tokens`` wide. This one is captured after it, while the model
+    runner briefly reports no speculative algorithm: that makes SGLang's own
+    ``DecodeCudaGraphRunner`` capture forward mode DECODE, one token per request,
+    with no spec input (the same construction SGLang's ``--speculative-adaptive``
+    uses for its extra verify graphs). The attention backend is new because
+    capturing initialises the backend's graph state, which would otherwise clobber
+    the verify graph's buffers.
+    """
+
+    def __init__(self, runner, attn_backend, memory_bytes: int):
+        self.runner = runner
+        self.attn_backend = attn_backend
+        self.memory_bytes = memory_bytes  # device memory the capture took
+
+
+def capture_plain_decode_graph(model_runner) -> Optional[PlainDecodeGraph]:
+    """Capture the plain decode graph; None when the target runs without CUDA graphs."""
+    if model_runner.decode_cuda_graph_runner is None:
+        return None  # graphs disabled (or a CPU device): plain steps run eagerly
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+
+    free_before = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+    saved_workspace_flag = model_runner.init_new_workspace
+    try:
+        attn_backend = model_runner._get_attention_backend(init_new_workspace=True)
+    finally:
+        model_runner.init_new_workspace = saved_workspace_flag
+    saved_algorithm = model_runner.spec_algorithm
+    model_runner.spec_algorithm = SpeculativeAlgorithm.NONE
+    try:
+        runner = DecodeCudaGraphRunner(model_runner, attn_backend=attn_backend)  # captures
+    finally:
+        model_runner.spec_algorithm = saved_algorithm
+    free_after = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+    return PlainDecodeGraph(runner, attn_backend, max(0, free_before - free_after))
+
+
+# The model runner attribute holding the event the scheduler's WAR barrier waits on
+# after a forward (0.5.23 renamed it), and the worker property naming that runner.
+_READ_DONE_EVENT = (
+    "shared_read_done_event" if hasattr(EAGLEWorkerV2, "last_shared_read_runner")
+    else "war_fastpath_read_done_event"
+)
+WAR_RUNNER_PROPERTY = (
+    "last_shared_read_runner" if hasattr(EAGLEWorkerV2, "last_shared_read_runner")
+    else "war_fastpath_runner"
+)
+
+
 @contextlib.contextmanager
-def plain_decode_graphs(model_runner, plain_graph_runner=None) -> Iterator[None]:
+def plain_decode_graphs(model_runner, plain_graph: Optional[PlainDecodeGraph]) -> Iterator[None]:
     """Route the target's decode forward away from its TARGET_VERIFY CUDA graph.
 
     With speculation configured, ``decode_cuda_graph_runner`` holds a graph captured
     for ``num_draft_tokens`` tokens per request, and ``can_run_graph`` does not check
     the forward mode: a plain DECODE would be replayed on it and fail with "size of
-    tensor a (bs*ndt) must match ... (bs)". Swapping in ``plain_graph_runner`` (None:
-    eager) for the duration of one forward is race-free because the scheduler runs
-    one forward at a time in this process; ``finally`` restores it.
+    tensor a (bs*ndt) must match ... (bs)". For one forward, the plain graph and its
+    backend are swapped in (or no graph: eager). Race-free because the scheduler runs
+    one forward at a time in this process; ``finally`` restores both.
     """
-    saved = model_runner.decode_cuda_graph_runner
-    model_runner.decode_cuda_graph_runner = plain_graph_runner
+    saved = (model_runner.decode_cuda_graph_runner, model_runner.attn_backend)
+    if plain_graph is None:
+        model_runner.decode_cuda_graph_runner = None
+    else:
+        model_runner.decode_cuda_graph_runner = plain_graph.runner
+        model_runner.attn_backend = plain_graph.attn_backend
+    # A read-done event left by an earlier verify replay would let the scheduler's
+    # WAR barrier pass before this forward has read req_to_token: start clean.
+    setattr(model_runner, _READ_DONE_EVENT, None)
     try:
         yield
     finally:
-        model_runner.decode_cuda_graph_runner = saved
+        model_runner.decode_cuda_graph_runner, model_runner.attn_backend = saved
 
 
 def run_target_decode(target_worker, batch: ScheduleBatch):
@@ -252,18 +312,19 @@ def pending_tokens(draft_input: EagleDraftInput) -> torch.Tensor:
     return draft_input.bonus_tokens
 
 
-def plain_step_draft_input(
-    next_tokens: torch.Tensor, previous: EagleDraftInput, carry_draft_state: bool
-) -> EagleDraftInput:
+def plain_step_draft_input(next_tokens: torch.Tensor, previous: EagleDraftInput) -> EagleDraftInput:
     """The spec state handed to the next step after a plain step.
 
     ``next_tokens`` becomes the pending token, as a verify step's bonus would. The
-    draft's top-k and hidden state are those of the last speculative step:
+    draft's top-k and hidden state are carried over from the last speculative step
+    (``previous``), in both schedulers:
 
-    * synchronous scheduler: batch filtering and merging slice ``topk_p``,
-      ``topk_index`` and ``hidden_states`` unconditionally, so they are carried;
-    * overlap scheduler: left None, so the FutureMap keeps the rows it has
-      ("Staging transitions refresh only the bonus token", overlap_utils.py).
+    * synchronous: batch filtering and merging slice ``topk_p``, ``topk_index`` and
+      ``hidden_states`` unconditionally;
+    * overlap: ``FutureMap.stash`` writes them back unconditionally on 0.5.17
+      (``payload.topk_p.to(...)``: None crashes) and when present on 0.5.23. The
+      incoming tensors were gathered from the FutureMap for this step, so writing
+      them back keeps its rows as they were.
     """
     new = EagleDraftInput(
         bonus_tokens=next_tokens,
@@ -271,16 +332,14 @@ def plain_step_draft_input(
         num_tokens_per_req=1,
         num_tokens_for_logprob_per_req=1,
     )
-    if carry_draft_state:
-        new.topk_p = previous.topk_p
-        new.topk_index = previous.topk_index
-        new.hidden_states = previous.hidden_states
-        new.draft_probs = previous.draft_probs
+    new.topk_p = previous.topk_p
+    new.topk_index = previous.topk_index
+    new.hidden_states = previous.hidden_states
+    new.draft_probs = previous.draft_probs
     return new
 
 
-def finish_plain_result(out, plain_batch: ScheduleBatch, draft_input: Optional[EagleDraftInput],
-                        carry_draft_state: bool):
+def finish_plain_result(out, plain_batch: ScheduleBatch, draft_input: EagleDraftInput):
     """Shape a plain forward's result as the v2 scheduler expects a spec result.
 
     One token per request: ``accept_lens`` of ones (a tensor: the scheduler copies it
@@ -297,7 +356,7 @@ def finish_plain_result(out, plain_batch: ScheduleBatch, draft_input: Optional[E
     logits = out.logits_output
     if plain_batch.return_logprob and logits is not None and logits.next_token_logprobs is not None:
         logits.next_token_logprobs = logits.next_token_logprobs.view(-1, 1)
-    out.next_draft_input = plain_step_draft_input(next_tokens, draft_input, carry_draft_state)
+    out.next_draft_input = plain_step_draft_input(next_tokens, draft_input)
     # The overlap scheduler keeps the inputs of a launched forward alive for two
     # iterations; these are the tensors this step created.
     out.extra_keep_alive_refs = [plain_batch.input_ids, plain_batch.out_cache_loc, plain_batch.seq_lens]

@@ -147,6 +147,12 @@ _UNSUPPORTED = (
         "PD multiplexing runs its own decode streams",
     ),
     (
+        "tokenizer_worker_num",
+        lambda v: v is not None and v > 1,
+        "--tokenizer-worker-num",
+        "SGLang does not load plugins in multi-tokenizer HTTP workers, which then reject the algorithm name",
+    ),
+    (
         "speculative_adaptive",
         bool,
         "--speculative-adaptive",

@@ -27,6 +27,7 @@ logger = logging.getLogger("sglang_dynspec")
 MODE_GAUGE = "sglang:spec_dynamic_mode"
 STEPS_COUNTER = "sglang:spec_dynamic_decode_steps"  # exported with a _total suffix
 SWITCHES_COUNTER = "sglang:spec_dynamic_switches"  # exported with a _total suffix
+PLAIN_GRAPH_COUNTER = "sglang:spec_dynamic_plain_graph_steps"  # exported with a _total suffix
 
 
 class ModeMetrics:
@@ -36,7 +37,7 @@ class ModeMetrics:
 
     def __init__(self, export: bool, labels: Optional[dict] = None, log_switches: bool = True):
         self.log_switches = log_switches
-        self._gauge = self._steps = self._switches = None
+        self._gauge = self._steps = self._switches = self._graph_steps = None
         if not export:
             return
         # Imported here: prometheus_client must be imported after SGLang has set
@@ -63,9 +64,16 @@ class ModeMetrics:
             labelnames=names + ["to"],
         )
         self._switches = {m: switches.labels(**labels, to=m.value) for m in Mode}
+        self._graph_steps = Counter(
+            PLAIN_GRAPH_COUNTER,
+            "Plain decode steps of EAGLE3_DYNAMIC that replayed its plain DECODE CUDA graph "
+            "(the rest ran eagerly: no graph captured, or a batch above its largest size).",
+            labelnames=names,
+        ).labels(**labels)
         self._gauge.set(1)
 
-    def on_step(self, mode: Mode, switch: Optional[Switch], steps: dict) -> None:
+    def on_step(self, mode: Mode, switch: Optional[Switch], steps: dict,
+                replayed_graph: bool = False) -> None:
         if switch is not None:
             if self.log_switches:
                 logger.info(
@@ -79,3 +87,5 @@ class ModeMetrics:
                 self._gauge.set(1 if switch.new is Mode.SPEC else 0)
         if self._steps is not None:
             self._steps[mode].inc()
+            if replayed_graph:
+                self._graph_steps.inc()

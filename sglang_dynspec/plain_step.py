@@ -12,9 +12,10 @@ What the worker owes the scheduler, in both modes:
 2. publish: under the overlap scheduler, call ``on_publish(new_seq_lens)`` exactly
    once per forward. The scheduler does not publish for speculative batches; a
    missing publish is silent outside ``SGLANG_IS_IN_CI`` and yields wrong tokens.
-3. draft state: in the synchronous scheduler, ``next_draft_input`` must carry the
-   ``topk_p``/``topk_index``/``hidden_states`` tensors that batch filtering and
-   merging slice; under overlap they stay None so the FutureMap keeps its rows.
+3. draft state: ``next_draft_input`` carries the last speculative step's
+   ``topk_p``/``topk_index``/``hidden_states``: the synchronous scheduler's batch
+   filtering and merging slice them, and the overlap scheduler's FutureMap stash
+   writes them (see ``compat.plain_step_draft_input``).
 """
 
 from __future__ import annotations
@@ -23,16 +24,14 @@ from sglang_dynspec import compat
 from sglang_dynspec.fresh_batch import build_plain_decode_batch
 
 
-def run_plain_decode(worker, batch, on_publish=None, grammar_barrier=None, plain_graph_runner=None):
+def run_plain_decode(worker, batch, on_publish=None, grammar_barrier=None, plain_graph=None):
     """Run the target's plain decode for ``batch`` and return a spec-shaped result."""
     plain = build_plain_decode_batch(batch, worker.req_to_token_pool.req_to_token)
     if batch.has_grammar and grammar_barrier is not None:
         grammar_barrier()
     model_runner = worker.target_worker.model_runner
-    with compat.plain_decode_graphs(model_runner, plain_graph_runner):
+    with compat.plain_decode_graphs(model_runner, plain_graph):
         out = compat.run_target_decode(worker.target_worker, plain)
     if on_publish is not None:
         on_publish(plain.seq_lens)
-    return compat.finish_plain_result(
-        out, plain, batch.spec_info, carry_draft_state=not batch.enable_overlap
-    )
+    return compat.finish_plain_result(out, plain, batch.spec_info)

@@ -16,11 +16,17 @@ are drafted and verified.
 
 from __future__ import annotations
 
+import os
+
 from sglang_dynspec import compat
 from sglang_dynspec.config import thresholds_from_environ
 from sglang_dynspec.metrics import ModeMetrics
 from sglang_dynspec.plain_step import run_plain_decode
 from sglang_dynspec.policy import Mode, SwitchPolicy
+
+# Escape hatch: SGLANG_DYNSPEC_PLAIN_CUDA_GRAPH=0 runs plain steps eagerly instead of
+# capturing a dedicated plain DECODE graph (saves its memory, costs launch overhead).
+_PLAIN_GRAPH_ENV = "SGLANG_DYNSPEC_PLAIN_CUDA_GRAPH"
 
 
 class DynamicEagleWorker(compat.EAGLEWorkerV2):
@@ -29,16 +35,15 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
     def __init__(self, server_args, *args, **kwargs):
         super().__init__(server_args, *args, **kwargs)
         self.switch_policy = SwitchPolicy(thresholds_from_environ())
-        first_rank = compat.tensor_parallel_rank() == 0
+        self._first_rank = compat.tensor_parallel_rank() == 0
         self.mode_metrics = ModeMetrics(
-            export=first_rank and compat.metrics_enabled(server_args),
+            export=self._first_rank and compat.metrics_enabled(server_args),
             labels={"model_name": compat.served_model_name(server_args)},
-            log_switches=first_rank,
+            log_switches=self._first_rank,
         )
-        # Plain steps never replay the target's TARGET_VERIFY graph (it is sized
-        # for num_draft_tokens per request); None runs them eagerly.
-        self.plain_graph_runner = None
-        if first_rank:
+        self.plain_graph = None  # captured in init_cuda_graphs; None: eager plain steps
+        self._last_step_plain = False
+        if self._first_rank:
             t = self.switch_policy.thresholds
             compat.logger.info(
                 "[sglang-dynspec] EAGLE3_DYNAMIC: plain decode above %d running requests, "
@@ -47,15 +52,47 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
                 t.disable_above, t.enable_at_or_below, t.min_dwell_steps, compat.SGLANG_VERSION,
             )
 
+    def init_cuda_graphs(self):
+        super().init_cuda_graphs()
+        if os.environ.get(_PLAIN_GRAPH_ENV, "1").strip() == "0":
+            return
+        self.plain_graph = compat.capture_plain_decode_graph(self.target_worker.model_runner)
+        if self.plain_graph is not None and self._first_rank:
+            compat.logger.info(
+                "[sglang-dynspec] captured a plain DECODE CUDA graph for the target "
+                "(batch sizes up to %s, %.0f MiB)",
+                getattr(self.plain_graph.runner, "max_bs", "?"),
+                self.plain_graph.memory_bytes / 2**20,
+            )
+
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None,
                                  pp_proxy_tensors=None):
+        self._last_step_plain = False
         if compat.is_plain_decode_candidate(batch):
             policy = self.switch_policy
             mode = policy.decide(compat.decode_batch_size(batch))
-            self.mode_metrics.on_step(mode, policy.last_switch, policy.steps)
             if mode is Mode.PLAIN:
-                return run_plain_decode(self, batch, on_publish, grammar_barrier,
-                                        self.plain_graph_runner)
+                out = run_plain_decode(self, batch, on_publish, grammar_barrier, self.plain_graph)
+                self._last_step_plain = True
+                self.mode_metrics.on_step(mode, policy.last_switch, policy.steps,
+                                          replayed_graph=bool(out.can_run_cuda_graph))
+                return out
+            self.mode_metrics.on_step(mode, policy.last_switch, policy.steps)
         return super().forward_batch_generation(
             batch, **compat.spec_forward_kwargs(on_publish, grammar_barrier, pp_proxy_tensors)
         )
+
+    def _war_barrier_runner(self):
+        """The runner whose read-done event the scheduler's WAR barrier waits on.
+
+        After a plain step the target ran last (and, when it replayed the plain
+        graph, recorded the event); otherwise SGLang's answer (the draft runner).
+        """
+        if self._last_step_plain:
+            return self.target_worker.model_runner
+        return getattr(super(), compat.WAR_RUNNER_PROPERTY)
+
+
+# The property is named differently in SGLang 0.5.17 and 0.5.23 (see compat).
+setattr(DynamicEagleWorker, compat.WAR_RUNNER_PROPERTY,
+        property(DynamicEagleWorker._war_barrier_runner))

@@ -76,6 +76,7 @@ def test_disable_zero_needs_no_enable_value_to_fail_clearly():
         (dict(enable_two_batch_overlap=True), "--enable-two-batch-overlap"),
         (dict(enable_pdmux=True), "--enable-pdmux"),
         (dict(speculative_adaptive=True), "--speculative-adaptive"),
+        (dict(tokenizer_worker_num=2), "--tokenizer-worker-num"),
         (dict(enable_multi_layer_eagle=True), "--enable-multi-layer-eagle"),
     ],
 )

@@ -1,0 +1,35 @@
+# Helpers for H200 runs (source after `source .gpu/device-env.sh`, from the repo root).
+# Servers use the dummy-weight Llama-3.1-8B-shaped target of ../shared/gpu, bind to
+# 127.0.0.1, and are stopped by PID. Logs go to $OUT/server_NAME.log.
+OUT=${OUT:-out}; mkdir -p "$OUT"
+PORT=${PORT:-30000}
+URL=http://127.0.0.1:$PORT
+MODEL=${MODEL:-.gpu/models/llama8b}
+DRAFT=.gpu/models/eagle3-8b
+COMMON_ARGS=(--model-path "$MODEL" --load-format dummy --skip-tokenizer-init
+  --attention-backend triton --sampling-backend pytorch --grammar-backend none
+  --host 127.0.0.1 --port "$PORT" --mem-fraction-static 0.7 --max-running-requests 128
+  --cuda-graph-max-bs 128)
+EAGLE_ARGS=(--speculative-draft-model-path "$DRAFT" --speculative-draft-load-format dummy)
+
+# start_server NAME [extra server args...]: starts, waits for /health; returns 1 if it died.
+start_server() {
+  local name=$1; shift
+  SERVER_NAME=$name
+  python3 -m sglang.launch_server "${COMMON_ARGS[@]}" --log-level warning "$@" \
+    > "$OUT/server_$name.log" 2>&1 &
+  SERVER_PID=$!
+  local t0=$SECONDS
+  until curl -sf "$URL/health" >/dev/null; do
+    if ! kill -0 "$SERVER_PID" 2>/dev/null; then
+      echo "{\"server\": \"$name\", \"up\": false}"; grep -v Capturing "$OUT/server_$name.log" | tail -30
+      return 1
+    fi
+    sleep 2
+  done
+  echo "{\"server\": \"$name\", \"up\": true, \"start_s\": $((SECONDS - t0))}"
+}
+
+stop_server() {
+  kill -TERM "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null; sleep 2
+}
