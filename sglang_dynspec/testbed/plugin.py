@@ -1,0 +1,144 @@
+"""SGLang plugin of the CPU test bed: runs the spec-v2 overlap scheduler on CPU.
+
+Registered as entry point ``dynspec_testbed`` in group ``sglang.srt.plugins``, so
+SGLang's ``load_plugins()`` runs ``register()`` in the launcher *and* in every
+spawned scheduler process. It changes nothing unless asked, because installing
+this package must never alter a production server.
+
+Environment variables
+    ``SGLANG_DYNSPEC_TESTBED=1``
+        Arms the plugin. ``python -m sglang_dynspec.testbed.serve`` sets it.
+    ``SGLANG_DYNSPEC_TESTBED_OVERLAP=1``
+        Runs EAGLE-family speculative decoding (EAGLE, EAGLE3 and plugin
+        algorithms whose spec class answers ``is_eagle()``, e.g. EAGLE3_DYNAMIC)
+        with the overlap scheduler on CPU. SGLang turns overlap off on CPU for two
+        reasons, each lifted here:
+
+        * ``FutureMap._resolve_spec_extras`` (``managers/overlap_utils.py``) calls
+          the Triton kernel ``gather_spec_extras``, which has no CPU driver. It is
+          replaced by a PyTorch gather with the same contract.
+        * ``_handle_eagle_family`` calls ``_disable_overlap_schedule_for_cpu``,
+          which declares ``disable_overlap_schedule=True`` on any CPU server. That
+          rule is skipped for EAGLE-family algorithms. Hooking the rule rather than
+          ``_handle_eagle_family`` keeps working when a plugin's spec class imports
+          ``_handle_eagle_family`` itself, since the rule is looked up as a module
+          global at call time, and an explicit ``--disable-overlap-schedule`` still
+          wins.
+
+Both patches go through SGLang's ``HookRegistry``, whose ``_propagate_patch``
+also rebinds ``overlap_utils``' own ``from ... import gather_spec_extras``.
+``serve.py`` checks after argument resolution that overlap really stayed on
+(``assert_overlap_kept``); the PyTorch gather logs once per process when used.
+"""
+
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+TESTBED_ENV = "SGLANG_DYNSPEC_TESTBED"
+OVERLAP_ENV = "SGLANG_DYNSPEC_TESTBED_OVERLAP"
+
+GATHER_SPEC_EXTRAS = "sglang.kernels.ops.speculative.gather_spec_extras.gather_spec_extras"
+CPU_OVERLAP_RULE = "sglang.srt.arg_groups.speculative_hook._disable_overlap_schedule_for_cpu"
+
+_TRUE = ("1", "true", "yes", "y")
+_FALSE = ("", "0", "false", "no", "n")
+
+_registered = False
+_gather_used = False
+
+
+def env_flag(name: str) -> bool:
+    """Parse a boolean environment variable; a value that is neither raises."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r}: expected one of 1/true/yes or 0/false/no")
+
+
+def overlap_requested() -> bool:
+    return env_flag(TESTBED_ENV) and env_flag(OVERLAP_ENV)
+
+
+def register() -> None:
+    """Entry point. Idempotent: SGLang may call plugins more than once per process."""
+    global _registered
+    if _registered or not overlap_requested():
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(GATHER_SPEC_EXTRAS, gather_spec_extras_torch, HookType.REPLACE)
+    HookRegistry.register(CPU_OVERLAP_RULE, _keep_overlap_for_eagle_family, HookType.AROUND)
+    _registered = True
+
+
+def gather_spec_extras_torch(
+    indices: torch.Tensor,  # [m] rows to gather
+    topk_p_buf: torch.Tensor,  # [rows, ...]
+    topk_index_buf: torch.Tensor,  # [rows, ...]
+    output_tokens_buf: torch.Tensor,  # [rows, ...]
+    hidden_states_buf,  # [rows, ...] or None when hidden states are not captured
+):
+    """PyTorch version of the fused Triton ``gather_spec_extras``: the rows
+    ``indices`` of each buffer, as new tensors ``[m, *buf.shape[1:]]``."""
+    global _gather_used
+    if not _gather_used:
+        _gather_used = True
+        logger.info(
+            "sglang_dynspec test bed: torch gather_spec_extras in use (pid %d)", os.getpid()
+        )
+    rows = indices.to(torch.int64)
+    hidden_states = None if hidden_states_buf is None else hidden_states_buf[rows]
+    return topk_p_buf[rows], topk_index_buf[rows], output_tokens_buf[rows], hidden_states
+
+
+def _is_eagle_family(server_args) -> bool:
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    algorithm = resolving_view(server_args).speculative_algorithm
+    return algorithm is not None and SpeculativeAlgorithm.from_string(algorithm).is_eagle()
+
+
+def _keep_overlap_for_eagle_family(original, server_args):
+    if _is_eagle_family(server_args):
+        logger.warning(
+            "sglang_dynspec test bed: keeping the overlap scheduler on for speculative "
+            "decoding on CPU (%s=1)",
+            OVERLAP_ENV,
+        )
+        return None
+    return original(server_args)
+
+
+def assert_overlap_kept(server_args) -> None:
+    """Raise if overlap was requested for an EAGLE-family server but resolution
+    still turned it off (e.g. the hook did not apply after an SGLang change).
+
+    ``server_args`` is the raw record after ``resolve_once()``; an explicit
+    ``--disable-overlap-schedule`` is respected and not an error.
+    """
+    from sglang.srt.arg_groups.overrides import resolved_view
+
+    if not overlap_requested() or server_args.disable_overlap_schedule:
+        return
+    if not _is_eagle_family(server_args):
+        return
+    if resolved_view(server_args).disable_overlap_schedule:
+        deciders = [
+            source
+            for source, fields in getattr(server_args, "_resolved_overrides", ())
+            if fields.get("disable_overlap_schedule") is True
+        ]
+        raise RuntimeError(
+            f"{OVERLAP_ENV}=1 asked for the overlap scheduler, but server-argument "
+            f"resolution still disabled it (declared by {deciders or 'unknown'}). "
+            f"The test-bed hook on {CPU_OVERLAP_RULE} did not apply or another rule "
+            "disabled overlap; check the 'Applied ... hook(s)' lines in the log."
+        )

@@ -1,0 +1,20 @@
+"""Shared pytest fixtures."""
+
+import os
+from pathlib import Path
+from typing import Dict
+
+import pytest
+
+# Reuse one model build across sessions: SGLANG_DYNSPEC_TEST_MODELS=/some/dir.
+MODELS_DIR_ENV = "SGLANG_DYNSPEC_TEST_MODELS"
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> Dict[str, Path]:
+    """The CPU test bed's tiny models (``target``, ``draft``, ``target-agree``,
+    ``draft-agree``), built once per session (about 10 s)."""
+    from sglang_dynspec.testbed.models import build_models
+
+    root = os.environ.get(MODELS_DIR_ENV) or tmp_path_factory.mktemp("testbed-models")
+    return build_models(root)
