@@ -246,6 +246,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(str(e))
 
     if args.command == "sweep":
+        if args.requests_per_point is not None and args.requests_per_point < max(args.concurrency):
+            parser.error(
+                f"--requests-per-point {args.requests_per_point} is below concurrency "
+                f"{max(args.concurrency)}: that point could never have all its requests "
+                "in flight"
+            )
         from .sweep import run_sweep as run
     else:
         from .ramp import run_ramp as run

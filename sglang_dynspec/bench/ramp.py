@@ -66,6 +66,8 @@ class RampLoad:
     after their current request.
     """
 
+    ERROR_BACKOFF_S = 0.2
+
     def __init__(self, session, generate_url: str, payload_factory, on_done=None):
         self.session = session
         self.generate_url = generate_url
@@ -100,6 +102,10 @@ class RampLoad:
                 self.on_done(tr)
             async with self._progress:
                 self._progress.notify_all()
+            if not tr.ok:
+                # A failing server answers at once; don't spin thousands of
+                # doomed requests through a time-held step.
+                await asyncio.sleep(self.ERROR_BACKOFF_S)
 
     async def wait_completed(self, count: int) -> None:
         """Wait until ``count`` requests have finished in total."""
