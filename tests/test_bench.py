@@ -10,8 +10,6 @@ seconds of 10 ms steps on 127.0.0.1, no real SGLang.
 from __future__ import annotations
 
 import asyncio
-import json
-import math
 
 import pytest
 from hypothesis import given, settings

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import re
 from collections import OrderedDict, defaultdict
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Sequence, Tuple
 
 from .records import read_jsonl
 
@@ -36,7 +36,7 @@ def _pyplot():
         import matplotlib
     except ImportError:
         raise PlotError(
-            "matplotlib is required for `plot` (pip install 'sglang-dynspec[plot]')"
+            "matplotlib is required for `plot` (pip install matplotlib)"
         ) from None
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt

@@ -15,10 +15,12 @@ concurrency the plugin stopped speculating.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 import uuid
 from typing import Dict, Optional
 
+import aiohttp
 from tqdm import tqdm
 
 from . import client
@@ -56,8 +58,8 @@ def mode_fields(before: Optional[MetricsSnapshot], after: Optional[MetricsSnapsh
 async def _metrics_or_none(session, base_url) -> Optional[MetricsSnapshot]:
     try:
         snap = await fetch_metrics(session, base_url)
-    except Exception:  # metrics are a bonus here; never fail a sweep for them
-        return None
+    except (asyncio.TimeoutError, aiohttp.ClientError, ValueError):
+        return None  # metrics are a bonus here; never fail a sweep for them
     return snap if snap is not None and snap.steps_spec is not None else None
 
 
