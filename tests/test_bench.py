@@ -394,9 +394,10 @@ def test_sweep_without_server_info_and_with_errors(tmp_path):
     out = tmp_path / "sweep.jsonl"
     fake = FakeSGLang(step_s=STEP_S, info_path=None, metrics_endpoint=False, error_every=4)
     with FakeServerThread(fake) as url:
-        assert _sweep(url, out, "--concurrency", "2", "--warmup", "0",
+        assert _sweep(url, out, "--concurrency", "2", "--warmup", "0", "--text",
                       "--requests-per-point", "8", "--output-len", "5") == 0
     (r,) = read_jsonl(str(out))
+    assert r["prompt_mode"] == "text"
     assert r["sglang"] is None
     assert r["num_errors"] == 2 and r["num_requests"] == 6
     assert r["decode_steps_spec"] is None and r["spec_step_frac"] is None
