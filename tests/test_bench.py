@@ -490,6 +490,9 @@ def test_ramp_detects_switches_and_stall(tmp_path):
     steps = recs["ramp_step"]
     assert [s["concurrency"] for s in steps] == [1, 6, 1]
     assert steps[1]["output_tok_s"] > steps[0]["output_tok_s"]
+    # the step to 6 triggered the switch to plain: its start saw the stall
+    assert steps[1]["max_gap_ms_near_start"] == approx_rel((STEP_S + stall) * 1000, 0.3)
+    assert summary["worst_step_start_gap_ms"] >= steps[1]["max_gap_ms_near_start"]
 
     reqs = list(read_jsonl(str(tmp_path / "req.jsonl")))
     assert len(reqs) == summary["num_requests"]
@@ -507,6 +510,7 @@ def test_ramp_seamless_switch_has_small_ratio(tmp_path):
     # ~1 on an idle machine; scheduling noise of a busy one stays well below
     # the ~16 of the stalled server above
     assert summary["worst_gap_ratio"] < 6.0
+    assert summary["worst_step_start_gap_ms"] < 6 * STEP_S * 1000
 
 
 @pytest.mark.parametrize("plugin_metrics,metrics_endpoint", [(False, True), (False, False)])

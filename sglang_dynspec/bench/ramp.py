@@ -28,7 +28,10 @@ chunk gap of any request in flight across it:
 
 The summary's ``worst_gap_ratio`` is the largest ``gap_ratio`` of all
 switches: ~1-2 means switching is seamless, much larger means requests
-stalled while the server switched.
+stalled while the server switched.  Switches coincide with load steps, and a
+step up stalls running requests on any server (prefill of the newcomers), so
+each ``ramp_step`` also reports ``max_gap_ms_near_start``; compare with the
+same ramp against a baseline server before blaming the switch.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from .stats import (
     RequestTrace,
     analyze_switch,
     detect_switches,
+    gaps_overlapping,
     median,
     median_step,
     percentile,
@@ -137,10 +141,19 @@ def step_records(
     steps: List[Tuple[int, float, float]],
     traces: List[RequestTrace],
     samples: List[Dict[str, object]],
+    pad_s: float,
 ) -> List[Dict[str, object]]:
-    """Per-step throughput, ITL and mode occupancy (one ``ramp_step`` each)."""
+    """Per-step throughput, ITL and mode occupancy (one ``ramp_step`` each).
+
+    ``max_gap_ms_near_start`` is the longest chunk gap overlapping
+    ``[t_start - pad_s, t_start + pad_s]``.  Every server shows some gap when
+    the load steps up (the new requests' prefill delays the running ones), so
+    this is the control to compare switch gaps against -- in particular on a
+    baseline or stock EAGLE-3 ramp, which has no switches.
+    """
     out = []
     for conc, a, b in steps:
+        near = gaps_overlapping(traces, a - pad_s, a + pad_s)
         toks = sum(n for tr in traces for t, n in tr.chunks if a <= t < b)
         itls = [
             (t - tp) / n
@@ -160,6 +173,7 @@ def step_records(
             "itl_p50_ms": _ms(percentile(itls, 50)),
             "itl_p99_ms": _ms(percentile(itls, 99)),
             "spec_sample_frac": (sum(modes) / len(modes)) if modes else None,
+            "max_gap_ms_near_start": _ms(max(near)) if near else None,
         })
     return out
 
@@ -232,7 +246,12 @@ def analyze_ramp(
         "worst_switch_t": worst["t"] if worst else None,
         "worst_max_gap_ms": worst["max_gap_ms_near_switch"] if worst else None,
     }
-    return step_records(steps, ok, samples), switch_recs, summary
+    step_recs = step_records(steps, ok, samples, switch_pad_s)
+    summary["worst_step_start_gap_ms"] = max(
+        (r["max_gap_ms_near_start"] for r in step_recs if r["max_gap_ms_near_start"] is not None),
+        default=None,
+    )
+    return step_recs, switch_recs, summary
 
 
 async def _drive(args, session, generate_url: str, base: str, out: JsonlWriter):
