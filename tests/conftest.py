@@ -1,4 +1,4 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures and options."""
 
 import os
 from pathlib import Path
@@ -8,6 +8,20 @@ import pytest
 
 # Reuse one model build across sessions: SGLANG_DYNSPEC_TEST_MODELS=/some/dir.
 MODELS_DIR_ENV = "SGLANG_DYNSPEC_TEST_MODELS"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip tests marked ``server`` unless the run selects them with ``-m``.
+
+    Each starts real SGLang servers (about a minute apiece, a busy core while
+    idle), so a plain ``pytest`` stays fast and never starts one by accident.
+    """
+    if "server" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="starts SGLang servers; select with -m server")
+    for item in items:
+        if "server" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,247 @@
+"""Run a test-bed SGLang server from Python, and talk to it over HTTP.
+
+    from sglang_dynspec.testbed.server import CpuServer, generate
+
+    with CpuServer(["--model-path", models["target"]], log_path=tmp / "server.log") as server:
+        out = generate(server.url, [0, 483, 14], max_new_tokens=16)
+
+``CpuServer`` starts ``python -m sglang_dynspec.testbed.serve`` in its own process
+group on a free 127.0.0.1 port and stops the whole group on exit, so no scheduler
+process outlives the block. An idle SGLang scheduler keeps a CPU core busy: on a
+small machine run one server at a time.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import httpx
+
+from sglang_dynspec.testbed.serve import MODULE, server_environment
+
+HOST = "127.0.0.1"
+LOG_TAIL_LINES = 60
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or did not become healthy; the message ends with its log tail."""
+
+
+class CpuServer:
+    """Context manager running one test-bed SGLang server.
+
+    Args:
+        server_args: SGLang server arguments (``--model-path`` etc.); the CPU
+            defaults of ``serve.py`` apply. ``--host`` / ``--port`` are chosen here.
+        log_path: file that receives the server's stdout and stderr.
+        env: extra environment variables (e.g. ``SGLANG_DYNSPEC_TESTBED_OVERLAP``).
+        startup_timeout: seconds to wait for ``/health_generate``.
+        stop_timeout: seconds to wait after SIGTERM before SIGKILL.
+    """
+
+    def __init__(
+        self,
+        server_args: Sequence[Any],
+        *,
+        log_path: Path,
+        env: Optional[Mapping[str, str]] = None,
+        startup_timeout: float = 300.0,
+        stop_timeout: float = 30.0,
+    ):
+        args = [str(a) for a in server_args]
+        owned = {a.split("=", 1)[0] for a in args} & {"--host", "--port"}
+        if owned:
+            raise ValueError(f"CpuServer chooses {sorted(owned)} itself; remove them")
+        self.port = _free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self.log_path = Path(log_path)
+        self.command = [
+            sys.executable, "-m", MODULE, *args, "--host", HOST, "--port", str(self.port)
+        ]
+        self._env = server_environment({**os.environ, **(env or {})})
+        self._startup_timeout = startup_timeout
+        self._stop_timeout = stop_timeout
+        self._process: Optional[subprocess.Popen] = None
+        self.startup_seconds: Optional[float] = None
+
+    def __enter__(self) -> "CpuServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Launch the server and block until it answers ``/health_generate``."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            self._process = subprocess.Popen(
+                self.command,
+                env=self._env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # own process group, stopped as a whole
+            )
+        try:
+            self._wait_until_healthy(started)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - started
+
+    def _wait_until_healthy(self, started: float) -> None:
+        deadline = started + self._startup_timeout
+        while True:
+            code = self._process.poll()
+            if code is not None:
+                raise ServerStartError(self._failure(f"server exited with code {code}"))
+            try:
+                if httpx.get(f"{self.url}/health_generate", timeout=10).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                raise ServerStartError(
+                    self._failure(f"server not healthy after {self._startup_timeout:.0f} s")
+                )
+            time.sleep(1.0)
+
+    def _failure(self, what: str) -> str:
+        return (
+            f"{what}: {' '.join(self.command)}\n"
+            f"--- last {LOG_TAIL_LINES} lines of {self.log_path} ---\n{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """SIGTERM the process group, SIGKILL what is left after ``stop_timeout``,
+        and wait until no process of the group remains. Idempotent."""
+        if self._process is None:
+            return
+        group = self._process.pid  # session leader: its pid is the group id
+        _signal_group(group, signal.SIGTERM)
+        try:
+            self._process.wait(timeout=self._stop_timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        if not _wait_group_gone(group, timeout=self._stop_timeout):
+            _signal_group(group, signal.SIGKILL)
+            _wait_group_gone(group, timeout=self._stop_timeout)
+        self._process.wait()
+        self._process = None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def _signal_group(group: int, sig: int) -> None:
+    try:
+        os.killpg(group, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _wait_group_gone(group: int, timeout: float) -> bool:
+    """Wait until no process is left in ``group``; return whether that happened."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+# ------------------------------------------------------------------ requests
+
+
+def generate(
+    url: str,
+    input_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    sampling_params: Optional[Mapping[str, Any]] = None,
+    timeout: float = 300.0,
+    **extra: Any,
+) -> Dict[str, Any]:
+    """POST ``/generate`` and return the response JSON.
+
+    Decoding is greedy (``temperature 0``) unless ``sampling_params`` says
+    otherwise; ``extra`` goes into the request body as is (``return_logprob``,
+    ``rid``, ...). Raises ``httpx.HTTPStatusError`` with the server's message.
+    """
+    body = {
+        "input_ids": list(input_ids),
+        "sampling_params": {
+            "max_new_tokens": max_new_tokens,
+            "temperature": 0.0,
+            **(sampling_params or {}),
+        },
+        **extra,
+    }
+    response = httpx.post(f"{url}/generate", json=body, timeout=timeout)
+    if response.is_error:
+        raise httpx.HTTPStatusError(
+            f"/generate returned {response.status_code}: {response.text[:2000]}",
+            request=response.request,
+            response=response,
+        )
+    return response.json()
+
+
+def generate_concurrently(
+    url: str, requests: Sequence[Mapping[str, Any]], concurrency: int
+) -> List[Dict[str, Any]]:
+    """Send ``requests`` with at most ``concurrency`` in flight; results in input order.
+
+    Each request is a mapping of ``generate`` keyword arguments, e.g.
+    ``{"input_ids": [0, 5, 6], "max_new_tokens": 16}``.
+    """
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        futures = [pool.submit(generate, url, **request) for request in requests]
+        return [future.result() for future in futures]
+
+
+def get_loads(url: str, timeout: float = 30.0) -> List[Dict[str, Any]]:
+    """Per-DP-rank load snapshots from ``/v1/loads`` (``num_running_reqs``,
+    ``num_waiting_reqs``, ``num_used_tokens``, ``max_total_num_tokens``, ...)."""
+    response = httpx.get(f"{url}/v1/loads", timeout=timeout)
+    response.raise_for_status()
+    return response.json()["loads"]
+
+
+def wait_until_idle(url: str, timeout: float = 30.0) -> List[Dict[str, Any]]:
+    """Poll ``/v1/loads`` until no rank has running or waiting requests, and
+    return that snapshot. A KV leak then shows as ``num_used_tokens > 0``.
+
+    The snapshot is published by the scheduler loop, so right after the last
+    response it can still show the finished requests; hence the polling.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        loads = get_loads(url)
+        if all(load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0 for load in loads):
+            return loads
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"server still busy after {timeout:.0f} s: {loads}")
+        time.sleep(0.2)
