@@ -25,12 +25,15 @@ import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict
+from typing import TYPE_CHECKING, Dict
 
 import torch
-from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+# transformers / tokenizers take seconds to import; they are imported where the
+# models are built, so reading the constants below and the up-to-date check of
+# build_models stay cheap (tests import AGREE_TOKEN at collection time).
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 TARGET, DRAFT, TARGET_AGREE, DRAFT_AGREE = "target", "draft", "target-agree", "draft-agree"
 MODEL_NAMES = (TARGET, DRAFT, TARGET_AGREE, DRAFT_AGREE)
@@ -104,8 +107,11 @@ def build_models(root) -> Dict[str, Path]:
     return paths
 
 
-def _train_tokenizer() -> PreTrainedTokenizerFast:
+def _train_tokenizer() -> "PreTrainedTokenizerFast":
     """Byte-level BPE trained on seeded synthetic sentences (any text encodes)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
     rng = random.Random(SEED)
     words = (
         "the quick brown fox jumps over lazy dog speculative decoding draft model "
@@ -145,7 +151,9 @@ def _train_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def _llama_config(tokenizer, **extra) -> LlamaConfig:
+def _llama_config(tokenizer, **extra) -> "LlamaConfig":
+    from transformers import LlamaConfig
+
     return LlamaConfig(
         vocab_size=SHAPE.vocab_size,
         hidden_size=SHAPE.hidden_size,
@@ -163,19 +171,21 @@ def _llama_config(tokenizer, **extra) -> LlamaConfig:
     )
 
 
-def _random_target(tokenizer) -> LlamaForCausalLM:
+def _random_target(tokenizer) -> "LlamaForCausalLM":
+    from transformers import LlamaForCausalLM
+
     config = _llama_config(
         tokenizer, num_hidden_layers=SHAPE.num_layers, initializer_range=0.1
     )
     return LlamaForCausalLM(config).to(torch.float32)
 
 
-def _save_target(model: LlamaForCausalLM, tokenizer, path: Path) -> None:
+def _save_target(model: "LlamaForCausalLM", tokenizer, path: Path) -> None:
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
 
 
-def _draft_config(tokenizer) -> LlamaConfig:
+def _draft_config(tokenizer) -> "LlamaConfig":
     return _llama_config(
         tokenizer,
         num_hidden_layers=1,
@@ -224,7 +234,9 @@ def _random_draft_weights() -> Dict[str, torch.Tensor]:
     }
 
 
-def _save_draft(weights, config: LlamaConfig, tokenizer, path: Path) -> None:
+def _save_draft(weights, config: "LlamaConfig", tokenizer, path: Path) -> None:
+    from safetensors.torch import save_file
+
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(path)
     tokenizer.save_pretrained(path)
