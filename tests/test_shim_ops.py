@@ -492,145 +492,161 @@ def test_verify_matches_greedy_walk_on_parent_array(trees, data):
 
 
 # -------------------------------------------------------------------- attention
+#
+# KV pool: [num_slots, num_kv_heads, head_dim] buffers; request rows of
+# req_to_token are random slots, so a wrong index reads the wrong keys.
+
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
+SCALING = 1 / math.sqrt(HEAD_DIM)
 
 
-def _sdpa(q, k, v, keep, scaling):
-    """q [Lq, H, D], k/v [Lk, Hkv, D], keep [Lq, Lk] -> [Lq, H, Dv] via torch SDPA."""
+def _sdpa(q, k, v, keep):
+    """q [Lq, H, D], k/v [Lk, Hkv, D], keep [Lq, Lk] or None -> [Lq, H, Dv] via torch SDPA."""
     out = F.scaled_dot_product_attention(
         q.float().transpose(0, 1),
         k.float().transpose(0, 1),
         v.float().transpose(0, 1),
         attn_mask=keep,
-        scale=scaling,
+        scale=SCALING,
         enable_gqa=True,
     )
     return out.transpose(0, 1)
 
 
-def _paged_pool(num_slots=64, kv_heads=2, head_dim=8, dtype=torch.float32, seed=0):
+def _paged_pool(kv_heads=KV_HEADS, dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    k_buffer = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtype)
-    v_buffer = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtype)
-    # Slots scattered over the pool, so a wrong index picks wrong keys.
-    req_to_token = torch.randperm(num_slots, generator=gen)[:48].view(3, 16).to(torch.int32)
+    k_buffer = torch.randn(64, kv_heads, HEAD_DIM, generator=gen).to(dtype)
+    v_buffer = torch.randn(64, kv_heads, HEAD_DIM, generator=gen).to(dtype)
+    req_to_token = torch.randperm(64, generator=gen)[:48].view(3, 16).to(torch.int32)
     return k_buffer, v_buffer, req_to_token
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_stores_new_kv_and_matches_sdpa(dtype):
-    heads, kv_heads, head_dim = 4, 2, 8
     k_buffer, v_buffer, req_to_token = _paged_pool(dtype=dtype)
     rows, seq_lens = torch.tensor([2, 0]), torch.tensor([5, 9])
     cache_loc = req_to_token[rows, seq_lens - 1].to(torch.int64)
-    q = torch.randn(2, heads, head_dim)
-    new_k, new_v = torch.randn(2, kv_heads * head_dim), torch.randn(2, kv_heads * head_dim)
-    o = torch.empty(2, heads, head_dim)
-    scaling = 1 / math.sqrt(head_dim)
+    q = torch.randn(2, HEADS, HEAD_DIM)
+    new_k = torch.randn(2, KV_HEADS * HEAD_DIM)
+    new_v = torch.randn(2, KV_HEADS * HEAD_DIM)
+    o = torch.empty(2, HEADS, HEAD_DIM)
 
     shim.decode_attention_cpu(
-        q, k_buffer, v_buffer, None, None, o, new_k, new_v, cache_loc, None,
-        req_to_token, rows, seq_lens, scaling, 0.0,
+        q, k_buffer, v_buffer, None, None, o, new_k, new_v, cache_loc,
+        attn_logits=None, req_to_token=req_to_token, req_pool_indices=rows,
+        seq_lens=seq_lens, scaling=SCALING, logit_cap=0.0,
     )
 
-    assert torch.equal(k_buffer[cache_loc].float(), new_k.view(2, kv_heads, head_dim).to(dtype).float())
-    assert torch.equal(v_buffer[cache_loc].float(), new_v.view(2, kv_heads, head_dim).to(dtype).float())
+    stored_k = new_k.view(2, KV_HEADS, HEAD_DIM).to(dtype)
+    stored_v = new_v.view(2, KV_HEADS, HEAD_DIM).to(dtype)
+    assert torch.equal(k_buffer[cache_loc], stored_k)
+    assert torch.equal(v_buffer[cache_loc], stored_v)
     for i, (row, seq_len) in enumerate(zip(rows.tolist(), seq_lens.tolist())):
         slots = req_to_token[row, :seq_len].long()
-        want = _sdpa(q[i : i + 1], k_buffer[slots], v_buffer[slots], None, scaling)
+        want = _sdpa(q[i : i + 1], k_buffer[slots], v_buffer[slots], None)
         torch.testing.assert_close(o[i], want[0], rtol=1e-5, atol=1e-5)
 
 
-def _extend_reference(q, k_buffer, v_buffer, req_to_token, rows, seq_lens, ext_lens, starts, scaling, block_masks):
-    out = torch.empty(q.shape[0], q.shape[1], v_buffer.shape[-1])
-    for i, (row, seq_len, ext_len, start) in enumerate(zip(rows, seq_lens, ext_lens, starts)):
-        slots = req_to_token[row, :seq_len].long()
-        keep = torch.ones(ext_len, seq_len, dtype=torch.bool)
-        keep[:, seq_len - ext_len :] = block_masks[i]
-        out[start : start + ext_len] = _sdpa(
-            q[start : start + ext_len], k_buffer[slots], v_buffer[slots], keep, scaling
-        )
-    return out
+# Two requests: row 1 with 7 tokens, row 2 with 5; the last ext_len of each are new.
+EXTEND_ROWS, EXTEND_SEQ_LENS = [1, 2], [7, 5]
 
 
-def _run_extend(pass_new_kv, tree_mask=None, is_causal=True, ext_lens=(3, 4)):
-    heads, head_dim = 4, 8
+def _run_extend(ext_lens, pass_new_kv=True, tree_mask=None, is_causal=True):
+    """Run the shim; return (output, reference(block_masks) -> SDPA output)."""
     k_buffer, v_buffer, req_to_token = _paged_pool()
-    rows, seq_lens = [1, 2], [7, 5]
     starts = [0, ext_lens[0]]
-    q = torch.randn(sum(ext_lens), heads, head_dim)
-    new_k = torch.cat([k_buffer[req_to_token[r, s - e : s].long()] for r, s, e in zip(rows, seq_lens, ext_lens)])
-    new_v = torch.cat([v_buffer[req_to_token[r, s - e : s].long()] for r, s, e in zip(rows, seq_lens, ext_lens)])
+    new_slots = [
+        req_to_token[row, seq_len - ext_len : seq_len].long()
+        for row, seq_len, ext_len in zip(EXTEND_ROWS, EXTEND_SEQ_LENS, ext_lens)
+    ]
+    new_k = torch.cat([k_buffer[s] for s in new_slots]).flatten(1)
+    new_v = torch.cat([v_buffer[s] for s in new_slots]).flatten(1)
+    q = torch.randn(sum(ext_lens), HEADS, HEAD_DIM)
     o = torch.empty_like(q)
-    scaling = 1 / math.sqrt(head_dim)
     shim.extend_attention_cpu(
-        q,
-        new_k.reshape(q.shape[0], -1) if pass_new_kv else None,
-        new_v.reshape(q.shape[0], -1) if pass_new_kv else None,
-        o, k_buffer, v_buffer, None, None, req_to_token,
-        torch.tensor(rows), torch.tensor(seq_lens), torch.tensor(ext_lens), torch.tensor(starts),
-        max(ext_lens), scaling, 0.0, False, 0, None, None, tree_mask, is_causal,
+        q, new_k if pass_new_kv else None, new_v if pass_new_kv else None, o,
+        k_buffer, v_buffer, None, None, req_to_token,
+        req_pool_indices=torch.tensor(EXTEND_ROWS),
+        seq_lens=torch.tensor(EXTEND_SEQ_LENS),
+        extend_seq_lens=torch.tensor(ext_lens),
+        extend_start_loc=torch.tensor(starts),
+        max_len_extend=max(ext_lens), scaling=SCALING, logit_cap=0.0,
+        tree_mask=tree_mask, is_causal=is_causal,
     )
-    return o, (q, k_buffer, v_buffer, req_to_token, rows, seq_lens, ext_lens, starts, scaling)
+
+    def reference(block_masks):
+        out = torch.empty_like(q)
+        for row, seq_len, ext_len, start, block in zip(
+            EXTEND_ROWS, EXTEND_SEQ_LENS, ext_lens, starts, block_masks
+        ):
+            slots = req_to_token[row, :seq_len].long()
+            keep = torch.ones(ext_len, seq_len, dtype=torch.bool)  # prefix: all visible
+            keep[:, seq_len - ext_len :] = block
+            rows_of_request = slice(start, start + ext_len)
+            out[rows_of_request] = _sdpa(q[rows_of_request], k_buffer[slots], v_buffer[slots], keep)
+        return out
+
+    return o, reference
 
 
-@pytest.mark.parametrize("pass_new_kv", [True, False])
+@pytest.mark.parametrize("pass_new_kv", [True, False], ids=["new-kv-given", "new-kv-in-pool"])
 def test_extend_attention_causal_matches_sdpa(pass_new_kv):
-    o, ref_args = _run_extend(pass_new_kv)
-    masks = [torch.ones(e, e, dtype=torch.bool).tril() for e in (3, 4)]
-    torch.testing.assert_close(o, _extend_reference(*ref_args, masks), rtol=1e-5, atol=1e-5)
+    o, reference = _run_extend((3, 4), pass_new_kv=pass_new_kv)
+    causal = [torch.ones(e, e, dtype=torch.bool).tril() for e in (3, 4)]
+    torch.testing.assert_close(o, reference(causal), rtol=1e-5, atol=1e-5)
 
 
 def test_extend_attention_non_causal_sees_all_extend_tokens():
-    o, ref_args = _run_extend(True, is_causal=False)
-    masks = [torch.ones(e, e, dtype=torch.bool) for e in (3, 4)]
-    torch.testing.assert_close(o, _extend_reference(*ref_args, masks), rtol=1e-5, atol=1e-5)
+    o, reference = _run_extend((3, 4), is_causal=False)
+    full = [torch.ones(e, e, dtype=torch.bool) for e in (3, 4)]
+    torch.testing.assert_close(o, reference(full), rtol=1e-5, atol=1e-5)
 
 
 def test_extend_attention_uses_one_tree_mask_block_per_request():
-    blocks = [torch.tensor(TOPK2_MASK, dtype=torch.bool)[:4, :4], torch.ones(4, 4, dtype=torch.bool).tril()]
-    blocks[1][3] = torch.tensor([True, False, False, True])
-    tree_mask = torch.cat([b.flatten() for b in blocks])
-    o, ref_args = _run_extend(True, tree_mask=tree_mask, ext_lens=(4, 4))
-    torch.testing.assert_close(o, _extend_reference(*ref_args, blocks), rtol=1e-5, atol=1e-5)
+    tree = torch.tensor(TOPK2_MASK, dtype=torch.bool)[:4, :4]
+    other = torch.ones(4, 4, dtype=torch.bool).tril()
+    other[3] = torch.tensor([True, False, False, True])
+    o, reference = _run_extend((4, 4), tree_mask=torch.cat([tree.flatten(), other.flatten()]))
+    torch.testing.assert_close(o, reference([tree, other]), rtol=1e-5, atol=1e-5)
 
 
-def _naive_attention(q, k, v, scaling, logit_cap=0.0, visible=None, sink=None):
-    """Single query, single head, by explicit loops: the definition of softmax attention."""
+def _naive_attention(q, k, v, logit_cap, visible, sink):
+    """One query, one head, by explicit loops: the definition of capped softmax
+    attention with a sink logit in the denominator."""
     logits = []
     for j in range(k.shape[0]):
-        if visible is not None and not visible(j):
+        if not visible(j):
             continue
-        s = sum(float(q[d]) * float(k[j, d]) for d in range(q.shape[0])) * scaling
-        if logit_cap > 0:
-            s = logit_cap * math.tanh(s / logit_cap)
-        logits.append((j, s))
-    denom = sum(math.exp(s) for _, s in logits) + (math.exp(sink) if sink is not None else 0.0)
+        score = sum(float(q[d]) * float(k[j, d]) for d in range(q.shape[0])) * SCALING
+        logits.append((j, logit_cap * math.tanh(score / logit_cap)))
+    denominator = sum(math.exp(s) for _, s in logits) + math.exp(sink)
     out = torch.zeros(v.shape[1])
     for j, s in logits:
-        out += math.exp(s) / denom * v[j]
+        out += math.exp(s) / denominator * v[j]
     return out
 
 
 def test_decode_attention_logit_cap_sinks_and_sliding_window_match_naive_loops():
-    head_dim, seq_len, window = 4, 6, 2
-    k_buffer, v_buffer, req_to_token = _paged_pool(kv_heads=1, head_dim=head_dim)
-    q = torch.randn(1, 2, head_dim) * 3
+    seq_len, window, logit_cap = 6, 2, 2.0
+    k_buffer, v_buffer, req_to_token = _paged_pool(kv_heads=1)
+    q = torch.randn(1, 2, HEAD_DIM) * 3  # large scores, so the cap matters
     sinks = torch.tensor([0.5, -1.0])
-    o = torch.empty(1, 2, head_dim)
+    o = torch.empty(1, 2, HEAD_DIM)
     shim.decode_attention_cpu(
-        q, k_buffer, v_buffer, None, None, o, None, None, None, None,
-        req_to_token, torch.tensor([0]), torch.tensor([seq_len]), 0.7, 2.0,
-        False, window + 1, None, sinks,
+        q, k_buffer, v_buffer, None, None, o, None, None, None,
+        attn_logits=None, req_to_token=req_to_token, req_pool_indices=torch.tensor([0]),
+        seq_lens=torch.tensor([seq_len]), scaling=SCALING, logit_cap=logit_cap,
+        sliding_window_plus1=window + 1, sinks=sinks,
     )
     slots = req_to_token[0, :seq_len].long()
-    for h in range(2):
+    for head in range(2):
         want = _naive_attention(
-            q[0, h], k_buffer[slots, 0], v_buffer[slots, 0], 0.7, logit_cap=2.0,
-            visible=lambda j: j >= seq_len - 1 - window, sink=float(sinks[h]),
+            q[0, head], k_buffer[slots, 0], v_buffer[slots, 0], logit_cap,
+            visible=lambda j: j >= seq_len - 1 - window, sink=float(sinks[head]),
         )
-        torch.testing.assert_close(o[0, h], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(o[0, head], want, rtol=1e-5, atol=1e-5)
 
 
 def test_attention_rejects_cross_attention():
     with pytest.raises(NotImplementedError, match="cross-attention"):
-        shim.decode_attention_cpu(*([None] * 15), True)
+        shim.decode_attention_cpu(*([None] * 15), is_cross_attention=True)

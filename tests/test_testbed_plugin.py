@@ -20,7 +20,10 @@ from sglang_dynspec.testbed.plugin import (
 from sglang_dynspec.testbed.serve import server_environment, with_cpu_defaults
 
 
-@pytest.mark.parametrize("raw, expected", [("1", True), ("yes", True), (" True ", True), ("0", False), ("", False), ("no", False)])
+@pytest.mark.parametrize(
+    "raw, expected",
+    [("1", True), ("yes", True), (" True ", True), ("0", False), ("", False), ("no", False)],
+)
 def test_env_flag_parses_booleans(monkeypatch, raw, expected):
     monkeypatch.setenv("SOME_FLAG", raw)
     assert env_flag("SOME_FLAG") is expected
@@ -41,7 +44,8 @@ def test_overlap_needs_both_the_testbed_and_the_overlap_variable(monkeypatch):
 
 
 def test_server_environment_puts_shim_first_once_and_is_idempotent():
-    env = server_environment({"PYTHONPATH": os.pathsep.join(["/a", str(SHIM_DIR), "/b"]), "X": "y"})
+    pythonpath = os.pathsep.join(["/a", str(SHIM_DIR), "/b"])
+    env = server_environment({"PYTHONPATH": pythonpath, "X": "y"})
     assert env["PYTHONPATH"].split(os.pathsep) == [str(SHIM_DIR), "/a", "/b"]
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env[TESTBED_ENV] == "1" and env["X"] == "y"
     assert server_environment(env) == env
@@ -87,7 +91,8 @@ def test_torch_gather_spec_extras_gathers_rows_of_every_buffer():
 
     for got, buf in ((p, topk_p), (i, topk_index), (t, tokens), (h, hidden)):
         assert torch.equal(got, torch.stack([buf[4], buf[0], buf[4]]))
-    empty = gather_spec_extras_torch(torch.empty(0, dtype=torch.int64), topk_p, topk_index, tokens, None)
+    no_rows = torch.empty(0, dtype=torch.int64)
+    empty = gather_spec_extras_torch(no_rows, topk_p, topk_index, tokens, None)
     assert [x.shape[0] for x in empty[:3]] == [0, 0, 0] and empty[3] is None
 
 
@@ -115,7 +120,8 @@ _RESOLVE_PROBE = textwrap.dedent(
             eager_binding(server_args)
 
     for name, cls in (("PROBE_LAZY", LazyImportEagle3), ("PROBE_EAGER", EagerBindingEagle3)):
-        SpeculativeAlgorithm.register(name, supports_overlap=True, spec_class=cls)(lambda args: None)
+        register = SpeculativeAlgorithm.register(name, supports_overlap=True, spec_class=cls)
+        register(lambda server_args: None)  # worker factory: never called, no server starts
 
     from sglang.srt.arg_groups.overrides import resolved_view
     from sglang.srt.plugins import load_plugins
@@ -131,7 +137,9 @@ _RESOLVE_PROBE = textwrap.dedent(
         "EAGLE3": ["--speculative-algorithm", "EAGLE3", *spec],
         "PROBE_LAZY": ["--speculative-algorithm", "PROBE_LAZY", *spec],
         "PROBE_EAGER": ["--speculative-algorithm", "PROBE_EAGER", *spec],
-        "EAGLE3 --disable-overlap-schedule": ["--speculative-algorithm", "EAGLE3", *spec, "--disable-overlap-schedule"],
+        "EAGLE3 --disable-overlap-schedule": [
+            "--speculative-algorithm", "EAGLE3", *spec, "--disable-overlap-schedule"
+        ],
     }
     results = {}
     for label, extra in cases.items():
@@ -142,7 +150,9 @@ _RESOLVE_PROBE = textwrap.dedent(
 
     from sglang.srt.managers import overlap_utils
     rows = overlap_utils.gather_spec_extras(
-        torch.tensor([1]), torch.ones(2, 2), torch.ones(2, 2, dtype=torch.long), torch.arange(2), None)
+        torch.tensor([1]), torch.ones(2, 2), torch.ones(2, 2, dtype=torch.long),
+        torch.arange(2), None,
+    )
     results["gather_rows"] = rows[2].tolist()
     print("PROBE_RESULT " + json.dumps(results))
     """
