@@ -33,9 +33,12 @@ from typing import Dict, List, Optional, Tuple
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-MODE = "sglang:spec_dynamic_mode"
-STEPS = "sglang:spec_dynamic_decode_steps_total"
-SWITCHES = "sglang:spec_dynamic_switches_total"
+from sglang_dynspec import metrics as plugin_metrics  # names only; no SGLang import
+
+MODE = plugin_metrics.MODE_GAUGE
+STEPS = plugin_metrics.STEPS_COUNTER + "_total"
+SWITCHES = plugin_metrics.SWITCHES_COUNTER + "_total"
+PLAIN_GRAPH = plugin_metrics.PLAIN_GRAPH_COUNTER + "_total"
 RUNNING = "sglang:num_running_reqs"
 
 
@@ -49,6 +52,7 @@ class MetricsSnapshot:
     steps_plain: Optional[float] = None
     switches_to_plain: Optional[float] = None
     switches_to_spec: Optional[float] = None
+    plain_graph_steps: Optional[float] = None
     num_running_reqs: Optional[float] = None
 
     @property
@@ -62,6 +66,7 @@ class MetricsSnapshot:
             "steps_plain": self.steps_plain,
             "switches_to_plain": self.switches_to_plain,
             "switches_to_spec": self.switches_to_spec,
+            "plain_graph_steps": self.plain_graph_steps,
             "num_running_reqs": self.num_running_reqs,
         }
 
@@ -79,6 +84,7 @@ def parse_metrics(text: str) -> MetricsSnapshot:
     switches: Dict[str, float] = {}
     modes = []
     running: Optional[float] = None
+    plain_graph = 0.0
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == MODE:
@@ -87,6 +93,8 @@ def parse_metrics(text: str) -> MetricsSnapshot:
                 _add(steps, s.labels.get("mode", ""), s.value)
             elif s.name == SWITCHES:
                 _add(switches, s.labels.get("to", ""), s.value)
+            elif s.name == PLAIN_GRAPH:
+                plain_graph += s.value
             elif s.name == RUNNING:
                 running = (running or 0.0) + s.value
     snap = MetricsSnapshot(num_running_reqs=running)
@@ -101,6 +109,7 @@ def parse_metrics(text: str) -> MetricsSnapshot:
         snap.steps_plain = steps.get("plain", 0.0)
         snap.switches_to_plain = switches.get("plain", 0.0)
         snap.switches_to_spec = switches.get("spec", 0.0)
+        snap.plain_graph_steps = plain_graph
     return snap
 
 
