@@ -17,7 +17,8 @@ from sglang_dynspec.testbed.plugin import (
     gather_spec_extras_torch,
     overlap_requested,
 )
-from sglang_dynspec.testbed.serve import server_environment, with_cpu_defaults
+from sglang_dynspec.testbed import serve
+from sglang_dynspec.testbed.serve import MODULE, server_environment, with_cpu_defaults
 
 
 @pytest.mark.parametrize(
@@ -49,6 +50,40 @@ def test_server_environment_puts_shim_first_once_and_is_idempotent():
     assert env["PYTHONPATH"].split(os.pathsep) == [str(SHIM_DIR), "/a", "/b"]
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env[TESTBED_ENV] == "1" and env["X"] == "y"
     assert server_environment(env) == env
+
+
+class _Exec(Exception):
+    pass
+
+
+def test_serve_re_executes_itself_when_the_environment_is_missing(monkeypatch):
+    for name in ("PYTHONPATH", "SGLANG_USE_CPU_ENGINE", TESTBED_ENV):
+        monkeypatch.delenv(name, raising=False)
+
+    def fake_execve(path, argv, env):
+        raise _Exec(path, argv, env)
+
+    monkeypatch.setattr(serve.os, "execve", fake_execve)
+    with pytest.raises(_Exec) as exec_call:
+        serve._ensure_environment(["--model-path", "m"])
+    path, argv, env = exec_call.value.args
+    assert path == sys.executable
+    assert argv == [sys.executable, "-m", MODULE, "--model-path", "m"]
+    assert env == server_environment(os.environ)
+
+
+@pytest.mark.parametrize("with_shim", [True, False])
+def test_stand_in_check_requires_the_shim_first_on_the_path(with_shim):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if with_shim:
+        env = server_environment(env)
+    check = "from sglang_dynspec.testbed.serve import _check_stand_in_shadows_wheel as c; c()"
+    proc = subprocess.run(
+        [sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert (proc.returncode == 0) is with_shim, proc.stderr[-2000:]
+    if not with_shim:
+        assert "not the test-bed stand-in" in proc.stderr
 
 
 def _flag_values(argv):
