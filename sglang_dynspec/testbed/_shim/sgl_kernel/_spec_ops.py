@@ -161,15 +161,12 @@ def build_tree_kernel_efficient_cpu(
     mask_base = 0  # FULL_MASK rows of request b start after earlier requests' rows
     for b, seq_len in enumerate(seq_lens):
         off = b * n
-
-        def parent_node(node: int) -> int:
-            return _parent_node(node, parents[b], selected[b], topk)
-
+        request = (parents[b], selected[b], topk)
         flat_index[off : off + n] = torch.arange(off, off + n)
         # Walking nodes high to low and pushing each at the head of its parent's
         # child list leaves every list in ascending order.
         for node in range(n - 1, 0, -1):
-            parent = parent_node(node)
+            parent = _parent_node(node, *request)
             if parent < 0:
                 continue
             first_child = int(next_token[off + parent])
@@ -192,7 +189,7 @@ def build_tree_kernel_efficient_cpu(
             while ancestor > 0 and node_depth < depth:
                 row[ancestor] = True
                 node_depth += 1
-                ancestor = parent_node(ancestor)
+                ancestor = _parent_node(ancestor, *request)
             flat_positions[off + node] = seq_len + node_depth
         mask_base += (seq_len + n) * n
 
