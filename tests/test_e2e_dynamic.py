@@ -10,7 +10,7 @@ Coverage (issue 2): load patterns crossing the thresholds both ways, logprobs, a
 regex-constrained request, retraction under a small KV pool, mixed chunked prefill,
 topk 1 and topk 4, the random and the always-agreeing model pair, the synchronous
 and the overlap scheduler, the original crash scenario (threshold 5, concurrency
-1, 2, 5 then 10, 16 draft tokens), and no KV leak once idle.
+1, 2, 5 then 10, 16 draft tokens) under both schedulers, and no KV leak once idle.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def reference(tiny_models, tmp_path_factory) -> Dict[str, Dict[str, dict]]:
     with CpuServer(["--model-path", tiny_models["target"]], log_path=logs / "random.log", env=CI_ENV) as s:
         out["random"] = run_sets(s.url, RANDOM_PAIR_SETS, staggered=True)
     with CpuServer(["--model-path", tiny_models["target-agree"]], log_path=logs / "agree.log", env=CI_ENV) as s:
-        out["agree"] = run_waves(s.url, WAVES)
+        out["agree"] = {**run_waves(s.url, WAVES), **run_waves(s.url, CRASH_WAVES)}
     return out
 
 
@@ -124,12 +124,14 @@ def assert_switched_both_ways_and_no_leak(server: CpuServer) -> None:
     assert counters.switches_to_plain >= 1 and counters.switches_to_spec >= 1, counters
 
 
-def test_sync_topk1_random_pair_with_retraction_and_mixed_chunk(tiny_models, reference, tmp_path):
-    """Synchronous scheduler, chain drafts, small KV pool, mixed chunked prefill."""
+def test_sync_topk4_random_pair_crash_scenario_retraction_mixed_chunk(tiny_models, reference, tmp_path):
+    """Synchronous scheduler, 16 draft tokens (topk 4), threshold 5: the original crash
+    configuration; a small KV pool (each request reserves 2 x 20 speculative slots)
+    forces retractions, and long staggered prompts mix prefill chunks with decode."""
     log = tmp_path / "server.log"
     args = dynamic_args(
-        tiny_models, "random", steps=3, topk=1, draft_tokens=4, disable_above=3, dwell=2,
-        extra=["--max-total-tokens", "480", "--enable-mixed-chunk", "--chunked-prefill-size", "32"],
+        tiny_models, "random", steps=5, topk=4, draft_tokens=16, disable_above=5, dwell=0,
+        extra=["--max-total-tokens", "600", "--enable-mixed-chunk", "--chunked-prefill-size", "32"],
     )
     with CpuServer(args, log_path=log, env=CI_ENV) as server:
         got = run_sets(server.url, RANDOM_PAIR_SETS, staggered=True)
@@ -140,28 +142,31 @@ def test_sync_topk1_random_pair_with_retraction_and_mixed_chunk(tiny_models, ref
     assert "Non-overlap (synchronous) spec v2" in text
 
 
-def test_overlap_topk4_random_pair_original_crash_scenario(tiny_models, reference, tmp_path):
-    """Overlap scheduler, 16 draft tokens (topk 4), threshold 5: the v1 crash configuration."""
+def test_overlap_topk1_random_pair(tiny_models, reference, tmp_path):
+    """Overlap scheduler, chain drafts (topk 1), threshold 3: publish, grammar barrier
+    and FutureMap relay of the plain step."""
     log = tmp_path / "server.log"
-    args = dynamic_args(tiny_models, "random", steps=5, topk=4, draft_tokens=16, disable_above=5, dwell=0)
+    args = dynamic_args(tiny_models, "random", steps=3, topk=1, draft_tokens=4, disable_above=3, dwell=2)
     with CpuServer(args, log_path=log, env=OVERLAP_ENV) as server:
-        got = run_sets(server.url, RANDOM_PAIR_SETS, staggered=False)
+        got = run_sets(server.url, RANDOM_PAIR_SETS, staggered=True)
         assert_switched_both_ways_and_no_leak(server)
     assert_identical(reference["random"], got)
     assert "Non-overlap (synchronous) spec v2" not in log.read_text(), "overlap was not in use"
 
 
-def test_overlap_topk1_agreeing_pair_keeps_full_acceptance(tiny_models, reference, tmp_path):
-    """The agreeing pair accepts every draft; after plain phases it still does."""
-    args = dynamic_args(tiny_models, "agree", steps=3, topk=1, draft_tokens=4, disable_above=3, dwell=2)
+def test_overlap_topk4_agreeing_pair_keeps_full_acceptance(tiny_models, reference, tmp_path):
+    """The agreeing pair accepts every draft; with 16 draft tokens under the overlap
+    scheduler (the crash configuration again) it still does after plain phases."""
+    steps = 5
+    args = dynamic_args(tiny_models, "agree", steps=steps, topk=4, draft_tokens=16, disable_above=5, dwell=0)
     with CpuServer(args, log_path=tmp_path / "server.log", env=OVERLAP_ENV) as server:
-        got = run_waves(server.url, WAVES)
+        got = {**run_waves(server.url, WAVES), **run_waves(server.url, CRASH_WAVES)}
         assert_switched_both_ways_and_no_leak(server)
     assert_identical(reference["agree"], got)
-    # The lone request after the 10-request wave runs right after a plain phase, in
-    # spec mode throughout: with every draft accepted, each verify step commits 4
-    # tokens (3 drafts + bonus); the first token comes from prefill.
-    lone = WAVES[4][0]
-    meta = got[lone.rid]["meta_info"]
-    n = meta["completion_tokens"]
-    assert meta["spec_verify_ct"] <= math.ceil((n - 1) / 4) + 1, meta
+    # The lone request after each 10-request wave runs right after a plain phase, in
+    # spec mode throughout: with every draft accepted, each verify step commits
+    # steps + 1 tokens (the drafts + the bonus); the first token comes from prefill.
+    for lone in (WAVES[4][0], CRASH_WAVES[4][0]):
+        meta = got[lone.rid]["meta_info"]
+        n = meta["completion_tokens"]
+        assert meta["spec_verify_ct"] <= math.ceil((n - 1) / (steps + 1)) + 1, meta

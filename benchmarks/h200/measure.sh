@@ -1,0 +1,53 @@
+#!/bin/bash
+# The H200 measurement of BENCHMARKS.md: closed-loop sweeps of several server
+# configurations, measured in one run so that ratios compare like with like, then
+# (optionally) a load ramp on EAGLE3_DYNAMIC.
+#
+# Shapes: dummy Llama-3.1-8B-shaped target, dummy EAGLE-3 draft, steps 3, topk 1,
+# 4 draft tokens, SGLANG_SIMULATE_ACC_LEN=3.0 (never use it to check outputs),
+# prompt 256, output 256, 2xC requests per point, $REPEATS repeats.
+#
+# Usage (on the device, repo root):
+#   CONFIGS="baseline eagle3 dynamic" bash benchmarks/h200/measure.sh
+#   CONFIGS="adaptive" RAMP_CONFIG=dynamic bash benchmarks/h200/measure.sh
+# Results: $OUT/h200-YYYYMMDD.jsonl (sweeps), $OUT/ramp-YYYYMMDD.jsonl (ramp).
+set -u
+source .gpu/device-env.sh || exit 1
+source benchmarks/h200/lib.sh
+export SGLANG_SIMULATE_ACC_LEN=3.0   # read only by speculative verify
+DAY=$(date -u +%Y%m%d)
+RESULTS=$OUT/h200-$DAY.jsonl
+SPEC=("${EAGLE_ARGS[@]}" --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)
+COMMON_BENCH=(--url "$URL" --prompt-len 256 --output-len 256 --no-progress --tag hw=H200
+              --tag shape=llama-3.1-8b-dummy --tag acc_len=3.0)
+
+server_args() {
+  case $1 in
+    baseline) ;;
+    eagle3)   echo --speculative-algorithm EAGLE3 "${SPEC[@]}" ;;
+    dynamic)  echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
+    adaptive) echo --speculative-algorithm EAGLE3 "${SPEC[@]}" --speculative-adaptive ;;
+  esac
+}
+
+for cfg in ${CONFIGS:-baseline eagle3 dynamic}; do
+  # shellcheck disable=SC2046
+  if start_server "$cfg" $(server_args "$cfg"); then
+    python3 -m sglang_dynspec.bench sweep "${COMMON_BENCH[@]}" --config "$cfg" \
+      --concurrency "${C:-1,4,16,32,64,128}" --repeats "${REPEATS:-2}" --out "$RESULTS" \
+      2> "$OUT/sweep_$cfg.err" | tail -n 3
+    stop_server
+  else
+    echo "{\"kind\": \"server_start\", \"config\": \"$cfg\", \"started\": false, \"sglang\": \"0.5.17\"," \
+         "\"error\": $(grep -E 'Error|error' "$OUT/server_$cfg.log" | tail -1 | python3 -c 'import json,sys; print(json.dumps(sys.stdin.read().strip()))')}" >> "$RESULTS"
+  fi
+done
+
+if [ -n "${RAMP_CONFIG:-}" ]; then
+  # shellcheck disable=SC2046
+  start_server "ramp-$RAMP_CONFIG" $(server_args "$RAMP_CONFIG") && {
+    python3 -m sglang_dynspec.bench ramp "${COMMON_BENCH[@]}" --config "$RAMP_CONFIG" \
+      --hold-s "${RAMP_HOLD_S:-4}" --out "$OUT/ramp-$DAY.jsonl" 2> "$OUT/ramp.err" | tail -n 3
+    stop_server; }
+fi
+grep -h "sglang-dynspec" "$OUT"/server_*.log | grep -v Capturing | tail -n 8
