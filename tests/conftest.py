@@ -1,27 +1,28 @@
-"""Shared pytest fixtures and options."""
+"""Shared pytest fixtures, and the CPU set-up that in-process SGLang imports need.
+
+Every test runs in a plain ``python -m pytest``: tests marked ``server`` start real
+SGLang servers (about a minute each); deselect them with ``-m "not server"`` for a
+quick local run. Nothing is skipped behind the user's back.
+"""
 
 import os
+import sys
 from pathlib import Path
 from typing import Dict
 
 import pytest
 
+from sglang_dynspec.testbed import SHIM_DIR
+
+# SGLang's CUDA-only kernel wheel cannot load here: the test bed's pure-PyTorch
+# stand-in must shadow it, and SGLang must pick its CPU platform, before any test
+# module imports sglang in this process.
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+if str(SHIM_DIR) not in sys.path:
+    sys.path.insert(0, str(SHIM_DIR))
+
 # Reuse one model build across sessions: SGLANG_DYNSPEC_TEST_MODELS=/some/dir.
 MODELS_DIR_ENV = "SGLANG_DYNSPEC_TEST_MODELS"
-
-
-def pytest_collection_modifyitems(config, items):
-    """Skip tests marked ``server`` unless the run selects them with ``-m``.
-
-    Each starts real SGLang servers (about a minute apiece, a busy core while
-    idle), so a plain ``pytest`` stays fast and never starts one by accident.
-    """
-    if "server" in (config.getoption("markexpr") or ""):
-        return
-    skip = pytest.mark.skip(reason="starts SGLang servers; select with -m server")
-    for item in items:
-        if "server" in item.keywords:
-            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
