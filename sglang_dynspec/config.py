@@ -8,9 +8,9 @@ value to an environment variable at parse time; the spawned scheduler processes
 inherit the environment and the worker reads it there. With ``sglang.Engine(...)``
 there is no command line, so the environment variables are the interface.
 
-Defaults come from the H200 measurement in the README (Llama-3.1-8B shape, EAGLE-3
-with acceptance 3.0, 2026-11-29): EAGLE-3 / baseline throughput was 1.07 at
-concurrency 32 and 0.78 at 64, so speculation stops paying for itself between 32
+Defaults come from the H200 measurement in BENCHMARKS.md (Llama-3.1-8B shape, EAGLE-3
+with acceptance 3.0, 2026-11-29): EAGLE-3 / baseline throughput was 1.08 at
+concurrency 32 and 0.81 at 64, so speculation stops paying for itself between 32
 and 64 running requests. Plain decode above 32, speculation again at or below 28
 (1/8 lower, so a batch that hovers around 32 does not flap), and at least 8 decode
 steps between two switches.

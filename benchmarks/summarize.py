@@ -1,0 +1,68 @@
+"""Print the Markdown tables of BENCHMARKS.md from a sweep results file.
+
+    python benchmarks/summarize.py benchmarks/results/h200-20261129.jsonl
+
+For each concurrency: mean output tok/s of each configuration with its spread over
+repeats (min-max), the ratios to the baseline, and dynamic / max(baseline, EAGLE-3),
+all from the same run. Then latency percentiles (median over repeats).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections import defaultdict
+
+CONFIGS = ("baseline", "eagle3", "dynamic")
+
+
+def load(path):
+    points = defaultdict(list)
+    for line in open(path):
+        record = json.loads(line)
+        if record.get("kind") == "sweep_point":
+            points[(record["config"], record["concurrency"])].append(record)
+    return points
+
+
+def mean(rows, key):
+    return statistics.mean(r[key] for r in rows)
+
+
+def spread(rows, key):
+    values = [r[key] for r in rows]
+    return f"{min(values):,.0f}–{max(values):,.0f}"
+
+
+def main(path):
+    points = load(path)
+    concurrencies = sorted({c for (_, c) in points})
+    print("| C | baseline tok/s | EAGLE-3 tok/s | dynamic tok/s | EAGLE-3 / base | dynamic / base "
+          "| dynamic / max(base, EAGLE-3) | dynamic steps in spec mode |")
+    print("|---|---|---|---|---|---|---|---|")
+    for c in concurrencies:
+        b, e, d = (points[(cfg, c)] for cfg in CONFIGS)
+        best = max(mean(b, "output_tok_s"), mean(e, "output_tok_s"))
+        spec = [r.get("spec_step_frac") for r in d]
+        spec_text = "/".join("–" if s is None else f"{s:.0%}" for s in spec)
+        print(f"| {c} | {mean(b, 'output_tok_s'):,.0f} ({spread(b, 'output_tok_s')}) "
+              f"| {mean(e, 'output_tok_s'):,.0f} ({spread(e, 'output_tok_s')}) "
+              f"| {mean(d, 'output_tok_s'):,.0f} ({spread(d, 'output_tok_s')}) "
+              f"| {mean(e, 'output_tok_s') / mean(b, 'output_tok_s'):.2f} "
+              f"| {mean(d, 'output_tok_s') / mean(b, 'output_tok_s'):.2f} "
+              f"| {mean(d, 'output_tok_s') / best:.3f} | {spec_text} |")
+    print()
+    print("| C | ITL p50 ms (base / EAGLE-3 / dynamic) | ITL p99 ms | TTFT p50 ms | per-request tok/s |")
+    print("|---|---|---|---|---|")
+    for c in concurrencies:
+        cells = []
+        for key, fmt in (("itl_p50_ms", ".1f"), ("itl_p99_ms", ".1f"), ("ttft_p50_ms", ".0f"),
+                         ("per_request_tok_s", ".0f")):
+            cells.append(" / ".join(
+                format(statistics.median(r[key] for r in points[(cfg, c)]), fmt) for cfg in CONFIGS))
+        print(f"| {c} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
