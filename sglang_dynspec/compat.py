@@ -238,10 +238,15 @@ class PlainDecodeGraph:
 
 
 def capture_plain_decode_graph(model_runner) -> Optional[PlainDecodeGraph]:
-    """Capture the plain decode graph; None when the target runs without CUDA graphs."""
-    if model_runner.decode_cuda_graph_runner is None:
-        return None  # graphs disabled (or a CPU device): plain steps run eagerly
+    """Capture the plain decode graph; None when the target runs without CUDA decode graphs."""
     from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+
+    if not torch.cuda.is_available() or not isinstance(
+        model_runner.decode_cuda_graph_runner, DecodeCudaGraphRunner
+    ):
+        # Graphs disabled, or another device's graph runner (CPU graphs, NPU...):
+        # plain steps run eagerly.
+        return None
 
     free_before = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
     saved_workspace_flag = model_runner.init_new_workspace

@@ -31,8 +31,8 @@ DEFAULT_MIN_DWELL_STEPS = 8
 
 
 def default_enable_at_or_below(disable_above: int) -> int:
-    """Slightly below N: one eighth lower, at least one lower, never negative."""
-    return max(0, disable_above - max(1, disable_above // 8))
+    """Slightly below N: one eighth lower, at least one lower, at least 1."""
+    return max(1, disable_above - max(1, disable_above // 8))
 
 
 class ConfigError(ValueError):
@@ -59,13 +59,13 @@ DISABLE_THRESHOLD = Flag(
     "--speculative-disable-batch-threshold",
     "SGLANG_DYNSPEC_DISABLE_BATCH_THRESHOLD",
     f"{ALGORITHM_NAME}: stop speculating while the running decode batch has more than "
-    f"N requests (default {DEFAULT_DISABLE_ABOVE}; 0 = plain decode whenever a request runs).",
+    f"N requests (default {DEFAULT_DISABLE_ABOVE}; at least 2).",
 )
 ENABLE_THRESHOLD = Flag(
     "--speculative-enable-batch-threshold",
     "SGLANG_DYNSPEC_ENABLE_BATCH_THRESHOLD",
     f"{ALGORITHM_NAME}: speculate again once the decode batch has at most M requests; "
-    "must be below the disable threshold (default: 1/8 below it).",
+    "1 <= M < N (default: 1/8 below N).",
 )
 MIN_DWELL = Flag(
     "--speculative-min-dwell-steps",
@@ -91,6 +91,24 @@ def _read_non_negative_int(flag: Flag, environ: Mapping[str, str]) -> Optional[i
     return value
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+PLAIN_CUDA_GRAPH_ENV = "SGLANG_DYNSPEC_PLAIN_CUDA_GRAPH"
+ENABLED_ENV = "SGLANG_DYNSPEC_ENABLED"
+
+
+def env_bool(name: str, default: bool, environ: Mapping[str, str] = os.environ) -> bool:
+    """A boolean environment variable; anything but 1/true/yes/on or 0/false/no/off raises."""
+    raw = environ.get(name, "").strip().lower()
+    if raw == "":
+        return default
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ConfigError(f"{name}={environ.get(name)!r}: accepted values are 1/true/yes/on or 0/false/no/off")
+
+
 def thresholds_from_environ(environ: Mapping[str, str] = os.environ) -> SwitchThresholds:
     """Read and check the three settings; raise ConfigError naming the flag."""
     disable_above = _read_non_negative_int(DISABLE_THRESHOLD, environ)
@@ -99,20 +117,22 @@ def thresholds_from_environ(environ: Mapping[str, str] = os.environ) -> SwitchTh
 
     if disable_above is None:
         disable_above = DEFAULT_DISABLE_ABOVE
-    if enable_at_or_below is None:
-        if disable_above == 0:
-            raise ConfigError(
-                f"{DISABLE_THRESHOLD.option} 0 leaves no room for "
-                f"{ENABLE_THRESHOLD.option}, which must be below it; to never speculate, "
-                "run without speculative decoding"
-            )
-        enable_at_or_below = default_enable_at_or_below(disable_above)
-    elif enable_at_or_below >= disable_above:
+    if disable_above < 2:
+        # A decode batch has at least one request, so speculation can only resume at
+        # M >= 1, and M must be below N.
         raise ConfigError(
-            f"{ENABLE_THRESHOLD.option} ({enable_at_or_below}) must be below "
+            f"{DISABLE_THRESHOLD.describe()} must be at least 2 (speculation resumes at or "
+            f"below {ENABLE_THRESHOLD.option}, which must be >= 1 and below it), got "
+            f"{disable_above}; to never speculate, run without speculative decoding"
+        )
+    if enable_at_or_below is None:
+        enable_at_or_below = default_enable_at_or_below(disable_above)
+    elif not 1 <= enable_at_or_below < disable_above:
+        raise ConfigError(
+            f"{ENABLE_THRESHOLD.option} ({enable_at_or_below}) must be at least 1 and below "
             f"{DISABLE_THRESHOLD.option} ({disable_above}): speculation stops above the "
-            "disable threshold and resumes at or below the enable threshold; accepted: "
-            f"0 <= M < N"
+            "disable threshold and resumes at or below the enable threshold, and a decode "
+            "batch always has at least one request; accepted: 1 <= M < N"
         )
     if dwell is None:
         dwell = DEFAULT_MIN_DWELL_STEPS
@@ -151,6 +171,12 @@ _UNSUPPORTED = (
         lambda v: v is not None and v > 1,
         "--tokenizer-worker-num",
         "SGLang does not load plugins in multi-tokenizer HTTP workers, which then reject the algorithm name",
+    ),
+    (
+        "disaggregation_mode",
+        lambda v: v not in (None, "null"),
+        "--disaggregation-mode",
+        "prefill/decode disaggregation hands draft state between servers, which is not handled yet",
     ),
     (
         "speculative_adaptive",

@@ -11,7 +11,7 @@ On any machine with a few CPU cores and no GPU, in a few minutes, it:
 4. prints the mode timeline (decode steps per mode in each wave, and the switches);
 5. checks every output token against the non-speculative server's.
 
-Exit status 0 when all outputs are identical, 1 otherwise. The servers run one at a
+Exit status 0 when the mode switched both ways and all outputs are identical, 1 otherwise. The servers run one at a
 time (an idle SGLang scheduler keeps a core busy) and bind to 127.0.0.1.
 """
 
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
         _say(f"  up in {server.startup_seconds:.0f} s; running the ramp {list(RAMP)} ({n_requests} requests)")
         reference = _run_ramp(server.url, waves, "reference")
 
-    n, m = args.threshold, None
+    n = args.threshold
     dyn_args = [
         "--model-path", models["target"],
         "--speculative-algorithm", "EAGLE3_DYNAMIC",
@@ -119,6 +119,10 @@ def main(argv=None) -> int:
     mismatches = compare_outputs(reference, dynamic)
     print()
     elapsed = time.monotonic() - started
+    if not (totals.switches_to_plain and totals.switches_to_spec):
+        print("NO SWITCH: the ramp did not move EAGLE3_DYNAMIC into plain mode and back "
+              f"(logs in {work}); the comparison would show nothing.")
+        return 1
     if mismatches:
         print(f"MISMATCH: {len(mismatches)} of {n_requests} outputs differ from the non-speculative server:")
         for mm in mismatches[:10]:

@@ -34,10 +34,25 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    if os.environ.get("SGLANG_DYNSPEC_ENABLED", "1").strip().lower() in ("0", "false", "no"):
-        logger.info("[sglang-dynspec] disabled by SGLANG_DYNSPEC_ENABLED")
+    try:
+        enabled = config.env_bool(config.ENABLED_ENV, True)
+    except config.ConfigError as e:
+        # Raising here would only be logged by SGLang; refuse to register, loudly.
+        logger.error("[sglang-dynspec] not registered: %s", e)
         return
-    from sglang_dynspec import compat
+    if not enabled:
+        logger.info("[sglang-dynspec] disabled by %s", config.ENABLED_ENV)
+        return
+    try:
+        from sglang_dynspec import compat
+    except ImportError as e:
+        # SGLang would log this and later fail with "Unknown speculative algorithm
+        # name"; say which internal is missing and what is supported.
+        logger.error(
+            "[sglang-dynspec] cannot register EAGLE3_DYNAMIC: this SGLang lacks an internal "
+            "the plugin needs (%s). Supported: sglang>=0.5.17,<0.6.", e,
+        )
+        return
 
     compat.register_cli_args_hook(add_cli_flags)
     compat.register_algorithm(
@@ -106,6 +121,7 @@ def validate_server_args(server_args) -> None:
             f"it lacks {', '.join(missing)}. Supported: sglang>=0.5.17,<0.6."
         )
     config.thresholds_from_environ()  # raises ConfigError naming the flag
+    config.env_bool(config.PLAIN_CUDA_GRAPH_ENV, True)
     reason = config.unsupported_reason(server_args)
     if reason:
         raise config.ConfigError(reason)
@@ -123,9 +139,10 @@ def validate_server_args(server_args) -> None:
 
 def worker_factory(server_args):
     """SGLang's worker factory for EAGLE3_DYNAMIC (runs in each scheduler process)."""
-    # Checked again here: this process may have been started without the launcher's
-    # validation (e.g. a scheduler spawned by a custom entry point).
+    # The settings are read again here, from this process's environment: raise now,
+    # before the worker loads a draft model, if they differ from what was validated.
     config.thresholds_from_environ()
+    config.env_bool(config.PLAIN_CUDA_GRAPH_ENV, True)
     from sglang_dynspec.worker import DynamicEagleWorker
 
     return DynamicEagleWorker

@@ -16,17 +16,11 @@ are drafted and verified.
 
 from __future__ import annotations
 
-import os
-
 from sglang_dynspec import compat
-from sglang_dynspec.config import thresholds_from_environ
+from sglang_dynspec.config import PLAIN_CUDA_GRAPH_ENV, env_bool, thresholds_from_environ
 from sglang_dynspec.metrics import ModeMetrics
 from sglang_dynspec.plain_step import run_plain_decode
 from sglang_dynspec.policy import Mode, SwitchPolicy
-
-# Escape hatch: SGLANG_DYNSPEC_PLAIN_CUDA_GRAPH=0 runs plain steps eagerly instead of
-# capturing a dedicated plain DECODE graph (saves its memory, costs launch overhead).
-_PLAIN_GRAPH_ENV = "SGLANG_DYNSPEC_PLAIN_CUDA_GRAPH"
 
 
 class DynamicEagleWorker(compat.EAGLEWorkerV2):
@@ -54,7 +48,9 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
 
     def init_cuda_graphs(self):
         super().init_cuda_graphs()
-        if os.environ.get(_PLAIN_GRAPH_ENV, "1").strip() == "0":
+        # SGLANG_DYNSPEC_PLAIN_CUDA_GRAPH=0 runs plain steps eagerly instead (saves the
+        # graph's memory, costs launch overhead).
+        if not env_bool(PLAIN_CUDA_GRAPH_ENV, True):
             return
         self.plain_graph = compat.capture_plain_decode_graph(self.target_worker.model_runner)
         if self.plain_graph is not None and self._first_rank:

@@ -26,7 +26,7 @@ def test_defaults():
     assert (t.disable_above, t.enable_at_or_below, t.min_dwell_steps) == (32, 28, 8)
 
 
-@pytest.mark.parametrize("n, expected_m", [(1, 0), (2, 1), (8, 7), (16, 14), (32, 28), (64, 56)])
+@pytest.mark.parametrize("n, expected_m", [(2, 1), (3, 2), (8, 7), (16, 14), (32, 28), (64, 56)])
 def test_enable_threshold_defaults_slightly_below_disable(n, expected_m):
     assert thresholds_from_environ(env(n=str(n))).enable_at_or_below == expected_m
 
@@ -54,18 +54,30 @@ def test_bad_values_name_the_flag_and_what_is_accepted(values, flag):
     assert "non-negative integer" in msg
 
 
-@pytest.mark.parametrize("n, m", [(8, 8), (8, 9), (0, 0)])
-def test_enable_threshold_must_be_below_disable(n, m):
+@pytest.mark.parametrize("n, m", [(8, 8), (8, 9), (8, 0)])
+def test_enable_threshold_must_be_between_1_and_disable(n, m):
     with pytest.raises(ConfigError) as e:
         thresholds_from_environ(env(n=str(n), m=str(m)))
     msg = str(e.value)
     assert ENABLE_THRESHOLD.option in msg and DISABLE_THRESHOLD.option in msg
-    assert "0 <= M < N" in msg
+    assert "1 <= M < N" in msg
 
 
-def test_disable_zero_needs_no_enable_value_to_fail_clearly():
-    with pytest.raises(ConfigError, match="--speculative-disable-batch-threshold 0"):
-        thresholds_from_environ(env(n="0"))
+@pytest.mark.parametrize("n", ["0", "1"])
+def test_disable_threshold_below_2_is_refused(n):
+    # A decode batch always has a request, so speculation could never resume.
+    with pytest.raises(ConfigError, match="must be at least 2"):
+        thresholds_from_environ(env(n=n))
+
+
+@pytest.mark.parametrize("raw, expected", [("", True), ("1", True), ("on", True), ("0", False), ("No", False)])
+def test_boolean_environment_variables(raw, expected):
+    assert config.env_bool("X", True, {"X": raw}) is expected
+
+
+def test_bad_boolean_environment_variable_is_refused():
+    with pytest.raises(ConfigError, match="SGLANG_DYNSPEC_PLAIN_CUDA_GRAPH='maybe'"):
+        config.env_bool(config.PLAIN_CUDA_GRAPH_ENV, True, {config.PLAIN_CUDA_GRAPH_ENV: "maybe"})
 
 
 @pytest.mark.parametrize(
@@ -77,6 +89,7 @@ def test_disable_zero_needs_no_enable_value_to_fail_clearly():
         (dict(enable_pdmux=True), "--enable-pdmux"),
         (dict(speculative_adaptive=True), "--speculative-adaptive"),
         (dict(tokenizer_worker_num=2), "--tokenizer-worker-num"),
+        (dict(disaggregation_mode="decode"), "--disaggregation-mode"),
         (dict(enable_multi_layer_eagle=True), "--enable-multi-layer-eagle"),
     ],
 )

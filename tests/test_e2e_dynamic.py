@@ -151,7 +151,9 @@ def test_overlap_topk4_random_pair_crash_scenario(tiny_models, reference, tmp_pa
         got = run_sets(server.url, RANDOM_PAIR_SETS, staggered=False)
         assert_switched_both_ways_and_no_leak(server)
     assert_identical(reference["random"], got)
-    assert "Non-overlap (synchronous) spec v2" not in log.read_text(), "overlap was not in use"
+    text = log.read_text()
+    assert "Non-overlap (synchronous) spec v2" not in text, "overlap was not in use"
+    assert "torch gather_spec_extras in use" in text, "the overlap FutureMap relay never ran"
 
 
 def test_overlap_topk1_agreeing_pair_keeps_full_acceptance(tiny_models, reference, tmp_path):

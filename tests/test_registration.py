@@ -67,6 +67,8 @@ def test_future_map_is_built_for_our_algorithm(plugin_loaded):
 
     fm = plugin_loaded.create_future_map(torch.device("cpu"), Pool())
     assert type(fm).__name__ == "FutureMap"
+    held = [v for v in vars(fm).values() if v is plugin_loaded]
+    assert held, "the FutureMap must be built for EAGLE3_DYNAMIC itself, not for the EAGLE3 enum"
 
 
 def test_factory_returns_the_dynamic_worker(plugin_loaded, clean_flag_env):
