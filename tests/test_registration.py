@@ -177,7 +177,7 @@ def test_non_integer_flag_is_an_argparse_error_naming_it(plugin_loaded, clean_fl
     "extra, expected",
     [
         (["--speculative-disable-batch-threshold", "8", "--speculative-enable-batch-threshold", "8"],
-         "--speculative-enable-batch-threshold (8) must be below --speculative-disable-batch-threshold (8)"),
+         "--speculative-enable-batch-threshold (8) must be at least 1 and below --speculative-disable-batch-threshold (8)"),
         (["--speculative-adaptive"], "--speculative-adaptive"),
         (["--enable-two-batch-overlap"], "--enable-two-batch-overlap"),
         (["--enable-pdmux"], "--enable-pdmux"),
@@ -262,5 +262,5 @@ def test_launchers_refuse_bad_input_before_loading_weights(model_dirs, launcher)
     proc = subprocess.run([*launcher, *argv], env=env, capture_output=True, text=True, timeout=300)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output[-3000:]
-    assert "--speculative-enable-batch-threshold (9) must be below" in output, output[-3000:]
+    assert "--speculative-enable-batch-threshold (9) must be at least 1 and below" in output, output[-3000:]
     assert "Load weight" not in output and "load_weight" not in output
