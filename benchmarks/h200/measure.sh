@@ -9,7 +9,7 @@
 #
 # Usage (on the device, repo root):
 #   CONFIGS="baseline eagle3 dynamic" bash benchmarks/h200/measure.sh
-#   CONFIGS="adaptive" RAMP_CONFIG=dynamic bash benchmarks/h200/measure.sh
+#   CONFIGS="adaptive" RAMP_CONFIGS="dynamic baseline" bash benchmarks/h200/measure.sh
 # Results: $OUT/h200-YYYYMMDD.jsonl (sweeps), $OUT/ramp-YYYYMMDD.jsonl (ramp).
 set -u
 source .gpu/device-env.sh || exit 1
@@ -21,12 +21,15 @@ SPEC=("${EAGLE_ARGS[@]}" --speculative-num-steps 3 --speculative-eagle-topk 1 --
 COMMON_BENCH=(--url "$URL" --prompt-len 256 --output-len 256 --no-progress --tag hw=H200
               --tag shape=llama-3.1-8b-dummy --tag acc_len=3.0)
 
+# Every server gets --enable-metrics: the dynamic one needs it to report its mode, and
+# SGLang's metrics collection has a cost of its own (the 2026-11-29 run gave it to the
+# dynamic server only; see BENCHMARKS.md).
 server_args() {
   case $1 in
-    baseline) ;;
-    eagle3)   echo --speculative-algorithm EAGLE3 "${SPEC[@]}" ;;
+    baseline) echo --enable-metrics ;;
+    eagle3)   echo --speculative-algorithm EAGLE3 "${SPEC[@]}" --enable-metrics ;;
     dynamic)  echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
-    adaptive) echo --speculative-algorithm EAGLE3 "${SPEC[@]}" --speculative-adaptive ;;
+    adaptive) echo --speculative-algorithm EAGLE3 "${SPEC[@]}" --speculative-adaptive --enable-metrics ;;
   esac
 }
 
@@ -43,11 +46,13 @@ for cfg in ${CONFIGS:-baseline eagle3 dynamic}; do
   fi
 done
 
-if [ -n "${RAMP_CONFIG:-}" ]; then
+# Ramps: RAMP_CONFIGS="dynamic baseline" compares the gaps at the dynamic server's
+# switches with the gaps a server without switches shows at the same load steps.
+for cfg in ${RAMP_CONFIGS:-${RAMP_CONFIG:-}}; do
   # shellcheck disable=SC2046
-  start_server "ramp-$RAMP_CONFIG" $(server_args "$RAMP_CONFIG") && {
-    python3 -m sglang_dynspec.bench ramp "${COMMON_BENCH[@]}" --config "$RAMP_CONFIG" \
-      --hold-s "${RAMP_HOLD_S:-4}" --out "$OUT/ramp-$DAY.jsonl" 2> "$OUT/ramp.err" | tail -n 3
+  start_server "ramp-$cfg" $(server_args "$cfg") && {
+    python3 -m sglang_dynspec.bench ramp "${COMMON_BENCH[@]}" --config "$cfg" \
+      --hold-s "${RAMP_HOLD_S:-4}" --out "$OUT/ramp-$DAY.jsonl" 2>> "$OUT/ramp.err" | tail -n 3
     stop_server; }
-fi
+done
 grep -h "sglang-dynspec" "$OUT"/server_*.log | grep -v Capturing | tail -n 8
