@@ -76,11 +76,12 @@ class ModeMetrics:
                 replayed_graph: bool = False) -> None:
         if switch is not None:
             if self.log_switches:
+                # ``steps`` already counts this step, which runs in the new mode.
                 logger.info(
                     "[sglang-dynspec] %s -> %s at decode batch size %d (decode step %d; "
-                    "steps so far: spec %d, plain %d)",
+                    "steps before it: spec %d, plain %d)",
                     switch.old.value, switch.new.value, switch.batch_size, switch.step,
-                    steps[Mode.SPEC], steps[Mode.PLAIN],
+                    steps[Mode.SPEC] - (mode is Mode.SPEC), steps[Mode.PLAIN] - (mode is Mode.PLAIN),
                 )
             if self._switches is not None:
                 self._switches[switch.new].inc()
