@@ -1,0 +1,79 @@
+"""The parts of the plain step that only a GPU run exercises end to end: the graph swap,
+the WAR-barrier runner, and the shape of the result handed to the scheduler.
+
+Real SGLang result classes, small stand-ins for the model runner (its graph runner
+and attention backend are opaque objects to the code under test).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from sglang_dynspec import compat
+
+
+def fake_runner():
+    return types.SimpleNamespace(decode_cuda_graph_runner="verify-graph", attn_backend="verify-backend",
+                                 **{compat._READ_DONE_EVENT: "stale-event-from-a-verify-replay"})
+
+
+def test_graph_swap_uses_the_plain_graph_and_restores_on_error():
+    runner = fake_runner()
+    plain = compat.PlainDecodeGraph(runner="plain-graph", attn_backend="plain-backend", memory_bytes=0)
+    with pytest.raises(RuntimeError):
+        with compat.plain_decode_graphs(runner, plain):
+            assert (runner.decode_cuda_graph_runner, runner.attn_backend) == ("plain-graph", "plain-backend")
+            # a stale read-done event would let the WAR barrier pass too early
+            assert getattr(runner, compat._READ_DONE_EVENT) is None
+            raise RuntimeError("forward failed")
+    assert (runner.decode_cuda_graph_runner, runner.attn_backend) == ("verify-graph", "verify-backend")
+
+
+def test_without_a_plain_graph_the_forward_runs_eagerly():
+    runner = fake_runner()
+    with compat.plain_decode_graphs(runner, None):
+        assert runner.decode_cuda_graph_runner is None and runner.attn_backend == "verify-backend"
+    assert runner.decode_cuda_graph_runner == "verify-graph"
+
+
+def test_plain_result_is_spec_shaped_and_carries_the_draft_state():
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+    from sglang.srt.managers.utils import GenerationBatchResult
+
+    bs, topk, hidden = 3, 2, 8
+    previous = compat.EagleDraftInput(
+        bonus_tokens=torch.tensor([5, 6, 7]), topk_p=torch.rand(bs, topk),
+        topk_index=torch.randint(0, 100, (bs, topk)), hidden_states=torch.rand(bs, hidden),
+    )
+    plain = types.SimpleNamespace(seq_lens=torch.tensor([11, 21, 31]), return_logprob=True,
+                                  input_ids=torch.tensor([5, 6, 7]), out_cache_loc=torch.tensor([1, 2, 3]))
+    out = GenerationBatchResult(
+        logits_output=LogitsProcessorOutput(next_token_logits=torch.rand(bs, 100),
+                                            next_token_logprobs=torch.rand(bs)),
+        next_token_ids=torch.tensor([8, 9, 10]),
+    )
+    result = compat.finish_plain_result(out, plain, previous)
+    assert result.accept_lens.dtype == torch.int32 and result.accept_lens.tolist() == [1, 1, 1]
+    assert result.speculative_num_draft_tokens == 1
+    assert result.new_seq_lens is plain.seq_lens
+    assert result.logits_output.next_token_logprobs.shape == (bs, 1)
+    nxt = result.next_draft_input
+    assert nxt.bonus_tokens.tolist() == [8, 9, 10]
+    assert nxt.topk_p is previous.topk_p and nxt.topk_index is previous.topk_index
+    assert nxt.hidden_states is previous.hidden_states
+
+
+def test_war_barrier_runner_follows_the_last_step():
+    from sglang_dynspec.worker import DynamicEagleWorker
+
+    worker = DynamicEagleWorker.__new__(DynamicEagleWorker)  # no model: only the property is tested
+    target, draft = object(), object()
+    worker._target_worker = types.SimpleNamespace(model_runner=target)
+    worker._draft_worker = types.SimpleNamespace(draft_runner=draft)
+    worker._last_step_plain = True
+    assert getattr(worker, compat.WAR_RUNNER_PROPERTY) is target
+    worker._last_step_plain = False
+    assert getattr(worker, compat.WAR_RUNNER_PROPERTY) is draft
