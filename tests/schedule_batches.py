@@ -45,7 +45,7 @@ import json
 import os
 import sys
 import tempfile
-from typing import Optional, Tuple
+from typing import Tuple
 
 from hypothesis import strategies as st
 
