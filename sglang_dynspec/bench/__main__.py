@@ -43,34 +43,24 @@ def _int_list(text: str) -> List[int]:
     return values
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
+def _bounded(cast, minimum, what: str):
+    """An argparse ``type`` that parses with ``cast`` and requires ``value >= minimum``."""
+
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        if not value >= minimum:  # also rejects NaN
+            raise argparse.ArgumentTypeError(f"expected {what} >= {minimum}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return v
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return v
+_positive_int = _bounded(int, 1, "an integer")
+_non_negative_int = _bounded(int, 0, "an integer")
+_non_negative_float = _bounded(float, 0, "a number")
 
 
 def _positive_float(text: str) -> float:
