@@ -13,7 +13,7 @@ Manifest of what we use, and why:
 * ``spec_registry.CustomSpecAlgo`` / ``get_spec``: base class of our spec class;
   idempotent registration.
 * ``plugins.hook_registry.HookRegistry``: an AFTER hook on
-  ``ServerArgs.add_cli_args`` adds our three flags to SGLang's own parser.
+  ``ServerArgs.add_cli_args`` adds our flags to SGLang's own parser.
 * ``EAGLEWorkerV2``: the worker we subclass. Its ``forward_batch_generation`` takes
   ``(batch, on_publish, grammar_barrier)`` on 0.5.17 and also ``pp_proxy_tensors``
   on 0.5.23 (``spec_forward_kwargs``).
@@ -29,12 +29,24 @@ Manifest of what we use, and why:
   TARGET_VERIFY graph when speculation is configured; a plain decode must not
   replay it (``plain_decode_graphs``).
 * ``TpModelWorker.forward_batch_generation(batch, capture_hidden_mode=...)``: the
-  target's plain forward + sampling.
+  target's plain forward + sampling; FULL capture returns the packed EAGLE-3
+  auxiliary hidden states ``[bs, 3H]`` the draft catch-up needs.
+* ``EagleDraftWorker._draft_extend_for_prefill(batch, target_hidden_states,
+  next_token_ids)`` (same signature in both versions): the draft pass that follows
+  a target prefill; the catch-up replays plain-mode positions through it, under the
+  context managers the installed ``eagle_worker_v2`` itself uses around it
+  (``draft_extend_contexts``: the draft-TP context is a module function of the
+  parallel layout on 0.5.23 and a worker attribute on 0.5.17).
+* ``get_draft_input_from_target_hidden_dim(draft_runner)`` (``eagle_utils``, both):
+  the width of those auxiliary hidden states.
+* ``SamplingBatchInfo`` per-request tensors (``temperatures``, ``top_ps``,
+  ``top_ks``, ``min_ps``, ``sampling_seed``): sliced for the catch-up's requests.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import logging
@@ -237,8 +249,36 @@ class PlainDecodeGraph:
         self.memory_bytes = memory_bytes  # device memory the capture took
 
 
-def capture_plain_decode_graph(model_runner) -> Optional[PlainDecodeGraph]:
-    """Capture the plain decode graph; None when the target runs without CUDA decode graphs."""
+def _full_hidden_runner_class(base: type) -> type:
+    """``base`` with its hidden-state capture pinned to FULL.
+
+    A decode graph captures the hidden-state mode the server was started with
+    (``return_hidden_states_mode``, NULL unless hidden states are requested), and a
+    forward that asks for more does not replay it. The draft catch-up needs the
+    target's auxiliary hidden states from every plain step, so the plain graph must
+    produce them. BaseRunner assigns the attribute in ``__init__``; the setter
+    ignores that assignment.
+    """
+
+    def get_mode(self):
+        return CaptureHiddenMode.FULL
+
+    def set_mode(self, value):
+        pass
+
+    return type(
+        "PlainDecodeCudaGraphRunner",
+        (base,),
+        {"return_hidden_states_mode": property(get_mode, set_mode), "__doc__": _full_hidden_runner_class.__doc__},
+    )
+
+
+def capture_plain_decode_graph(model_runner, capture_hidden: bool = True) -> Optional[PlainDecodeGraph]:
+    """Capture the plain decode graph; None when the target runs without CUDA decode graphs.
+
+    ``capture_hidden``: the graph also outputs the packed auxiliary hidden states
+    (needed by the draft catch-up).
+    """
     from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 
     if not torch.cuda.is_available() or not isinstance(
@@ -256,8 +296,9 @@ def capture_plain_decode_graph(model_runner) -> Optional[PlainDecodeGraph]:
         model_runner.init_new_workspace = saved_workspace_flag
     saved_algorithm = model_runner.spec_algorithm
     model_runner.spec_algorithm = SpeculativeAlgorithm.NONE
+    runner_cls = _full_hidden_runner_class(DecodeCudaGraphRunner) if capture_hidden else DecodeCudaGraphRunner
     try:
-        runner = DecodeCudaGraphRunner(model_runner, attn_backend=attn_backend)  # captures
+        runner = runner_cls(model_runner, attn_backend=attn_backend)  # captures
     finally:
         model_runner.spec_algorithm = saved_algorithm
     free_after = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
@@ -302,14 +343,155 @@ def plain_decode_graphs(model_runner, plain_graph: Optional[PlainDecodeGraph]) -
         model_runner.decode_cuda_graph_runner, model_runner.attn_backend = saved
 
 
-def run_target_decode(target_worker, batch: ScheduleBatch):
+def run_target_decode(target_worker, batch: ScheduleBatch, capture_hidden: bool):
     """One plain forward + sampling of the target model on ``batch``.
 
-    ``capture_hidden_mode=None`` lets SGLang derive it from the batch (hidden states
-    only when a request asked for them); with ``spec_info`` None nothing forces the
-    FULL capture that verify needs.
+    ``capture_hidden``: FULL capture, so ``logits_output.hidden_states`` holds the
+    packed EAGLE-3 auxiliary hidden states ``[bs, 3H]`` (as a verify forward returns
+    them). Otherwise SGLang derives the mode from the batch (hidden states only when
+    a request asked for them).
     """
-    return target_worker.forward_batch_generation(batch, capture_hidden_mode=None)
+    mode = CaptureHiddenMode.FULL if capture_hidden else None
+    return target_worker.forward_batch_generation(batch, capture_hidden_mode=mode)
+
+
+def target_hidden_width(spec_worker) -> int:
+    """Width of the target hidden states the draft consumes (3H for EAGLE-3 aux mode)."""
+    from sglang.srt.speculative.eagle_utils import get_draft_input_from_target_hidden_dim
+
+    return int(get_draft_input_from_target_hidden_dim(spec_worker.draft_worker.draft_runner))
+
+
+def target_hidden_dtype(spec_worker) -> torch.dtype:
+    return spec_worker.target_worker.model_runner.model_config.dtype
+
+
+def request_pool_index(req) -> int:
+    """The request's ``req_to_token`` row: ``req.kv.req_pool_idx`` on 0.5.23,
+    ``req.req_pool_idx`` on 0.5.17."""
+    kv = getattr(req, "kv", None)
+    if kv is not None and hasattr(kv, "req_pool_idx"):
+        return kv.req_pool_idx
+    return req.req_pool_idx
+
+
+def request_pool_size(spec_worker) -> int:
+    return int(spec_worker.req_to_token_pool.req_to_token.shape[0])
+
+
+_SAMPLING_ROW_FIELDS = ("temperatures", "top_ps", "top_ks", "min_ps", "sampling_seed")
+
+
+def slice_sampling_info(sampling_info, rows: torch.Tensor):
+    """A shallow copy of ``sampling_info`` keeping ``rows`` of its per-request tensors.
+
+    Only what the draft's proposal step reads (temperatures and seeds, under
+    rejection sampling) has to be right; penalties, biases and grammar masks apply
+    to the target's sampling, which the catch-up does not run.
+    """
+    if sampling_info is None:
+        return None
+    sliced = copy.copy(sampling_info)
+    for name in _SAMPLING_ROW_FIELDS:
+        value = getattr(sampling_info, name, None)
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            setattr(sliced, name, value[rows])
+    sliced.grammars = None
+    return sliced
+
+
+def draft_extend_contexts(spec_worker) -> contextlib.ExitStack:
+    """The context managers the installed EAGLEWorkerV2 enters around a draft extend.
+
+    Taken from the ``eagle_worker_v2`` module itself, so they are the ones that
+    version uses: the draft tensor-parallel context (a function of the draft's
+    parallel layout on 0.5.23, a worker attribute taking the TP group on 0.5.17),
+    the speculative MoE backend contexts and the ``draft_extend`` trace span.
+    """
+    from sglang.srt.speculative import eagle_worker_v2 as host
+
+    draft_worker = spec_worker.draft_worker
+    stack = contextlib.ExitStack()
+    if hasattr(draft_worker, "parallel_layout"):
+        stack.enter_context(host.draft_tp_context(draft_worker.parallel_layout))
+    else:
+        stack.enter_context(draft_worker.draft_tp_context(draft_worker.draft_runner.tp_group))
+    stack.enter_context(host.speculative_moe_backend_context())
+    stack.enter_context(host.speculative_moe_a2a_backend_context())
+    stack.enter_context(host.spec_stage_span("draft_extend"))
+    return stack
+
+
+def run_draft_extend(spec_worker, extend_batch: ScheduleBatch, target_hidden: torch.Tensor,
+                     tail_tokens: torch.Tensor) -> EagleDraftInput:
+    """Run the draft's prefill pass over ``extend_batch``; return its next-draft state.
+
+    ``target_hidden`` ``[num_tokens, 3H]``: the target's aux hidden state at each
+    extended position; ``tail_tokens`` ``[bs]``: each request's pending token (the
+    token after its last extended position). The pass rotates the inputs by one,
+    writes the draft KV at ``extend_batch.out_cache_loc`` and returns ``topk_p``,
+    ``topk_index`` and ``hidden_states`` of each request's last position.
+    """
+    with draft_extend_contexts(spec_worker):
+        return spec_worker.draft_worker._draft_extend_for_prefill(
+            extend_batch, target_hidden, tail_tokens
+        )
+
+
+class DeviceTimer:
+    """Wall time of work queued on the current device stream, read without a sync.
+
+    On CUDA two events bracket the work and ``seconds()`` returns None until the
+    second has completed; elsewhere the work ran synchronously and host time is it.
+    """
+
+    def __init__(self, start_event, start_time: float):
+        self._start, self._end = start_event, None
+        self._t0, self._t1 = start_time, None
+
+    @classmethod
+    def start(cls, device) -> "DeviceTimer":
+        import time
+
+        if torch.device(device).type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return cls(event, 0.0)
+        return cls(None, time.perf_counter())
+
+    def stop(self) -> None:
+        import time
+
+        if self._start is not None:
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._end.record()
+        else:
+            self._t1 = time.perf_counter()
+
+    def seconds(self) -> Optional[float]:
+        if self._start is None:
+            return None if self._t1 is None else self._t1 - self._t0
+        if self._end is None or not self._end.query():
+            return None
+        return self._start.elapsed_time(self._end) / 1000.0
+
+
+_DRAFT_STATE_FIELDS = ("topk_p", "topk_index", "hidden_states", "draft_probs")
+
+
+def with_draft_state_rows(draft_input: EagleDraftInput, rows: torch.Tensor,
+                          fresh: EagleDraftInput) -> None:
+    """Point ``draft_input``'s draft state at new tensors whose ``rows`` come from ``fresh``.
+
+    Out of place: the old tensors may be rows gathered from the overlap scheduler's
+    FutureMap or shared with a previous result. Only ``draft_input``'s attributes
+    are rebound (it is this step's object), never a tensor written.
+    """
+    for name in _DRAFT_STATE_FIELDS:
+        old, new = getattr(draft_input, name, None), getattr(fresh, name, None)
+        if old is None or new is None:
+            continue
+        setattr(draft_input, name, old.index_copy(0, rows, new.to(old.dtype)))
 
 
 def pending_tokens(draft_input: EagleDraftInput) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The plugin's settings: three flags, their environment variables, defaults and checks.
+"""The plugin's settings: four flags, their environment variables, defaults and checks.
 
 Pure Python (no torch, no SGLang), so every message can be unit-tested.
 
@@ -28,6 +28,11 @@ ALGORITHM_NAME = "EAGLE3_DYNAMIC"
 
 DEFAULT_DISABLE_ABOVE = 32
 DEFAULT_MIN_DWELL_STEPS = 8
+# Positions per request the draft catch-up buffer holds (catch_up.py). Memory:
+# max running requests x this x (3 x hidden size x dtype bytes + 8), e.g. 24 KiB per
+# position for a Llama-3.1-8B target in bf16, so 192 MiB for 256 requests.
+DEFAULT_CATCH_UP_TOKENS = 32
+MAX_CATCH_UP_TOKENS = 4096
 
 
 def default_enable_at_or_below(disable_above: int) -> int:
@@ -73,7 +78,15 @@ MIN_DWELL = Flag(
     f"{ALGORITHM_NAME}: fewest decode steps between two mode switches "
     f"(default {DEFAULT_MIN_DWELL_STEPS}).",
 )
-FLAGS = (DISABLE_THRESHOLD, ENABLE_THRESHOLD, MIN_DWELL)
+CATCH_UP_TOKENS = Flag(
+    "--speculative-catch-up-tokens",
+    "SGLANG_DYNSPEC_CATCH_UP_TOKENS",
+    f"{ALGORITHM_NAME}: positions per request whose target hidden states are kept during "
+    "plain decode and replayed into the draft model when speculation resumes; a full "
+    f"buffer is replayed in plain mode (default {DEFAULT_CATCH_UP_TOKENS}; 0 disables the "
+    "catch-up: the draft resumes from stale state).",
+)
+FLAGS = (DISABLE_THRESHOLD, ENABLE_THRESHOLD, MIN_DWELL, CATCH_UP_TOKENS)
 
 
 def _read_non_negative_int(flag: Flag, environ: Mapping[str, str]) -> Optional[int]:
@@ -110,7 +123,7 @@ def env_bool(name: str, default: bool, environ: Mapping[str, str] = os.environ) 
 
 
 def thresholds_from_environ(environ: Mapping[str, str] = os.environ) -> SwitchThresholds:
-    """Read and check the three settings; raise ConfigError naming the flag."""
+    """Read and check the switching settings; raise ConfigError naming the flag."""
     disable_above = _read_non_negative_int(DISABLE_THRESHOLD, environ)
     enable_at_or_below = _read_non_negative_int(ENABLE_THRESHOLD, environ)
     dwell = _read_non_negative_int(MIN_DWELL, environ)
@@ -137,6 +150,20 @@ def thresholds_from_environ(environ: Mapping[str, str] = os.environ) -> SwitchTh
     if dwell is None:
         dwell = DEFAULT_MIN_DWELL_STEPS
     return SwitchThresholds(disable_above, enable_at_or_below, dwell)
+
+
+def catch_up_tokens_from_environ(environ: Mapping[str, str] = os.environ) -> int:
+    """The catch-up buffer size per request (0: no catch-up); raise ConfigError naming the flag."""
+    value = _read_non_negative_int(CATCH_UP_TOKENS, environ)
+    if value is None:
+        return DEFAULT_CATCH_UP_TOKENS
+    if value > MAX_CATCH_UP_TOKENS:
+        raise ConfigError(
+            f"{CATCH_UP_TOKENS.describe()} must be between 0 and {MAX_CATCH_UP_TOKENS}, got "
+            f"{value} (the buffer takes max running requests x this many positions of "
+            "target hidden states)"
+        )
+    return value
 
 
 # Settings of SGLang that the plugin does not support yet. Each entry is

@@ -77,7 +77,7 @@ def _env_writing_action(flag: config.Flag) -> type:
 
 
 def add_cli_flags(parser: argparse.ArgumentParser) -> None:
-    """Add the three flags to SGLang's server argument parser."""
+    """Add the plugin's flags to SGLang's server argument parser."""
     group = parser.add_argument_group(f"{config.ALGORITHM_NAME} (sglang-dynspec plugin)")
     for flag in config.FLAGS:
         group.add_argument(
@@ -121,6 +121,7 @@ def validate_server_args(server_args) -> None:
             f"it lacks {', '.join(missing)}. Supported: sglang>=0.5.17,<0.6."
         )
     config.thresholds_from_environ()  # raises ConfigError naming the flag
+    config.catch_up_tokens_from_environ()
     config.env_bool(config.PLAIN_CUDA_GRAPH_ENV, True)
     reason = config.unsupported_reason(server_args)
     if reason:
@@ -142,6 +143,7 @@ def worker_factory(server_args):
     # The settings are read again here, from this process's environment: raise now,
     # before the worker loads a draft model, if they differ from what was validated.
     config.thresholds_from_environ()
+    config.catch_up_tokens_from_environ()
     config.env_bool(config.PLAIN_CUDA_GRAPH_ENV, True)
     from sglang_dynspec.worker import DynamicEagleWorker
 

@@ -6,6 +6,12 @@ EAGLE3_DYNAMIC plugin adds, from the scheduler process:
 * ``sglang:spec_dynamic_mode`` (gauge): 1 = speculating, 0 = plain decode;
 * ``sglang:spec_dynamic_decode_steps_total{mode="spec"|"plain"}`` (counter);
 * ``sglang:spec_dynamic_switches_total{to="spec"|"plain"}`` (counter);
+* ``sglang:spec_dynamic_catch_up_total{reason=...}``,
+  ``sglang:spec_dynamic_catch_up_tokens_total`` and the histogram
+  ``sglang:spec_dynamic_catch_up_seconds`` (draft catch-ups);
+* ``sglang:spec_dynamic_resume_accepted_tokens_total`` and
+  ``sglang:spec_dynamic_resume_requests_total`` (the first speculative step after
+  each resume);
 
 and SGLang itself exports ``sglang:num_running_reqs`` (gauge).
 
@@ -40,6 +46,19 @@ STEPS = plugin_metrics.STEPS_COUNTER + "_total"
 SWITCHES = plugin_metrics.SWITCHES_COUNTER + "_total"
 PLAIN_GRAPH = plugin_metrics.PLAIN_GRAPH_COUNTER + "_total"
 RUNNING = "sglang:num_running_reqs"
+CATCH_UPS = plugin_metrics.CATCH_UP_COUNTER + "_total"
+CATCH_UP_TOKENS = plugin_metrics.CATCH_UP_TOKENS_COUNTER + "_total"
+CATCH_UP_SECONDS_SUM = plugin_metrics.CATCH_UP_SECONDS + "_sum"
+CATCH_UP_SECONDS_COUNT = plugin_metrics.CATCH_UP_SECONDS + "_count"
+RESUME_ACCEPTED = plugin_metrics.RESUME_ACCEPTED_COUNTER + "_total"
+RESUME_REQUESTS = plugin_metrics.RESUME_REQUESTS_COUNTER + "_total"
+_SUMMED = {
+    CATCH_UP_TOKENS: "catch_up_tokens",
+    CATCH_UP_SECONDS_SUM: "catch_up_seconds_sum",
+    CATCH_UP_SECONDS_COUNT: "catch_up_timed",
+    RESUME_ACCEPTED: "resume_accepted_tokens",
+    RESUME_REQUESTS: "resume_requests",
+}
 
 
 @dataclass
@@ -54,10 +73,23 @@ class MetricsSnapshot:
     switches_to_spec: Optional[float] = None
     plain_graph_steps: Optional[float] = None
     num_running_reqs: Optional[float] = None
+    catch_ups: Optional[Dict[str, float]] = None  # by reason
+    catch_up_tokens: Optional[float] = None
+    catch_up_seconds_sum: Optional[float] = None
+    catch_up_timed: Optional[float] = None  # catch-ups whose device time is in the sum
+    resume_accepted_tokens: Optional[float] = None
+    resume_requests: Optional[float] = None
 
     @property
     def has_plugin_metrics(self) -> bool:
         return self.mode is not None or self.steps_spec is not None
+
+    @property
+    def resume_accept_length(self) -> Optional[float]:
+        """Mean accepted tokens per request on the first speculative step after a resume."""
+        if not self.resume_requests:
+            return None
+        return self.resume_accepted_tokens / self.resume_requests
 
     def as_dict(self) -> Dict[str, object]:
         return {
@@ -68,6 +100,12 @@ class MetricsSnapshot:
             "switches_to_spec": self.switches_to_spec,
             "plain_graph_steps": self.plain_graph_steps,
             "num_running_reqs": self.num_running_reqs,
+            "catch_ups": self.catch_ups,
+            "catch_up_tokens": self.catch_up_tokens,
+            "catch_up_seconds_sum": self.catch_up_seconds_sum,
+            "catch_up_timed": self.catch_up_timed,
+            "resume_accepted_tokens": self.resume_accepted_tokens,
+            "resume_requests": self.resume_requests,
         }
 
 
@@ -85,6 +123,8 @@ def parse_metrics(text: str) -> MetricsSnapshot:
     modes = []
     running: Optional[float] = None
     plain_graph = 0.0
+    catch_ups: Dict[str, float] = {}
+    summed: Dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == MODE:
@@ -97,6 +137,10 @@ def parse_metrics(text: str) -> MetricsSnapshot:
                 plain_graph += s.value
             elif s.name == RUNNING:
                 running = (running or 0.0) + s.value
+            elif s.name == CATCH_UPS:
+                _add(catch_ups, s.labels.get("reason", ""), s.value)
+            elif s.name in _SUMMED:
+                _add(summed, _SUMMED[s.name], s.value)
     snap = MetricsSnapshot(num_running_reqs=running)
     if modes:
         snap.mode = int(max(modes) > 0.5)
@@ -110,6 +154,9 @@ def parse_metrics(text: str) -> MetricsSnapshot:
         snap.switches_to_plain = switches.get("plain", 0.0)
         snap.switches_to_spec = switches.get("spec", 0.0)
         snap.plain_graph_steps = plain_graph
+        snap.catch_ups = catch_ups
+        for field in _SUMMED.values():
+            setattr(snap, field, summed.get(field, 0.0))
     return snap
 
 

@@ -12,6 +12,12 @@
   SGLang shares the target's embedding).
 * ``DIR/target-agree`` and ``DIR/draft-agree``: a pair that both always predict
   ``AGREE_TOKEN``, so every draft is accepted (accept length = draft tokens).
+* ``DIR/target-count`` and ``DIR/draft-count``: a counting pair. The target
+  follows token ``x`` with ``x + 1`` (mod vocab); the draft, given the target's
+  state at position ``p``, proposes ``x[p] + 2``, which is right one step ahead
+  (``--speculative-num-steps 1``). Unlike the agree pair, the right proposal
+  depends on the position, so a draft that resumes from stale state proposes a
+  wrong token: the pair shows whether the draft state is current.
 
 All weights are float32: the tests compare SGLang's greedy output with HF
 transformers token for token, and bf16 near-ties flip tokens between kernels.
@@ -36,10 +42,11 @@ if TYPE_CHECKING:
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 TARGET, DRAFT, TARGET_AGREE, DRAFT_AGREE = "target", "draft", "target-agree", "draft-agree"
-MODEL_NAMES = (TARGET, DRAFT, TARGET_AGREE, DRAFT_AGREE)
+TARGET_COUNT, DRAFT_COUNT = "target-count", "draft-count"
+MODEL_NAMES = (TARGET, DRAFT, TARGET_AGREE, DRAFT_AGREE, TARGET_COUNT, DRAFT_COUNT)
 
 # Bump when anything below changes, so existing test-bed directories are rebuilt.
-BUILD_VERSION = "1"
+BUILD_VERSION = "2"
 MARKER_FILE = ".testbed-models-complete"
 SEED = 0
 
@@ -102,6 +109,10 @@ def build_models(root) -> Dict[str, Path]:
     target.load_state_dict(_agree_target_weights(target.state_dict()))
     _save_target(target, tokenizer, paths[TARGET_AGREE])
     _save_draft(_agree_draft_weights(draft_weights), draft_config, tokenizer, paths[DRAFT_AGREE])
+    embeddings = torch.randn(SHAPE.vocab_size, SHAPE.hidden_size)
+    target.load_state_dict(_count_target_weights(target.state_dict(), embeddings))
+    _save_target(target, tokenizer, paths[TARGET_COUNT])
+    _save_draft(_count_draft_weights(draft_weights, embeddings), draft_config, tokenizer, paths[DRAFT_COUNT])
 
     marker.write_text(BUILD_VERSION)
     return paths
@@ -272,6 +283,43 @@ def _agree_draft_weights(weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Te
     weights["midlayer.self_attn.o_proj.weight"][AGREE_DIM, :] = 0.0
     weights["midlayer.mlp.down_proj.weight"][AGREE_DIM, :] = 0.0
     weights["lm_head.weight"] = _reads_only_agree_dim(weights["lm_head.weight"])
+    return weights
+
+
+def _predicts_shifted(embeddings: torch.Tensor, shift: int) -> torch.Tensor:
+    """An lm_head whose row for token ``y`` is the embedding of ``y - shift``: on the
+    (normalised) embedding of ``x`` it ranks ``x + shift`` first. Random 256-wide
+    embeddings are nearly orthogonal: the right row scores about 256, the others
+    about 0 +- 16."""
+    return torch.roll(embeddings, shifts=shift, dims=0).clone()
+
+
+def _count_target_weights(state: Dict[str, torch.Tensor], embeddings: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """No layer writes the residual stream (o_proj, down_proj zero), so the final
+    state at every position is the embedding of its token, and every captured aux
+    state too; lm_head maps it to the next count."""
+    state = {name: tensor.clone() for name, tensor in state.items()}
+    state["model.embed_tokens.weight"] = embeddings.clone()
+    for name, tensor in state.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensor.zero_()
+    state["lm_head.weight"] = _predicts_shifted(embeddings, 1)
+    return state
+
+
+def _count_draft_weights(weights: Dict[str, torch.Tensor], embeddings: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """``fc`` passes the first aux state (the embedding of the token at position
+    ``p``) through as the draft's residual; the layer adds nothing (o_proj,
+    down_proj zero) but still writes K and V from its inputs, and lm_head ranks
+    ``x[p] + 2`` first, the token after the pending one."""
+    weights = {name: tensor.clone() for name, tensor in weights.items()}
+    hidden = SHAPE.hidden_size
+    fc = torch.zeros_like(weights["fc.weight"])
+    fc[:, :hidden] = torch.eye(hidden)
+    weights["fc.weight"] = fc
+    weights["midlayer.self_attn.o_proj.weight"].zero_()
+    weights["midlayer.mlp.down_proj.weight"].zero_()
+    weights["lm_head.weight"] = _predicts_shifted(embeddings, 2)
     return weights
 
 

@@ -8,6 +8,9 @@ this package must never alter a production server.
 Environment variables
     ``SGLANG_DYNSPEC_TESTBED=1``
         Arms the plugin. ``python -m sglang_dynspec.testbed.serve`` sets it.
+    ``SGLANG_DYNSPEC_TESTBED_DRAFT_KV_DIR=<dir>``
+        Writes the draft KV rows of every finished request under ``<dir>``
+        (``draft_kv.py``), for the catch-up tests.
     ``SGLANG_DYNSPEC_TESTBED_OVERLAP=1``
         Runs EAGLE-family speculative decoding (EAGLE, EAGLE3 and plugin
         algorithms whose spec class answers ``is_eagle()``, e.g. EAGLE3_DYNAMIC)
@@ -69,12 +72,17 @@ def overlap_requested() -> bool:
 def register() -> None:
     """Entry point. Idempotent: SGLang may call plugins more than once per process."""
     global _registered
-    if _registered or not overlap_requested():
+    if _registered or not env_flag(TESTBED_ENV):
         return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang_dynspec.testbed import draft_kv
 
-    HookRegistry.register(GATHER_SPEC_EXTRAS, gather_spec_extras_torch, HookType.REPLACE)
-    HookRegistry.register(CPU_OVERLAP_RULE, _keep_overlap_for_eagle_family, HookType.AROUND)
+    if os.environ.get(draft_kv.DUMP_DIR_ENV):
+        draft_kv.register_hooks()
+    if overlap_requested():
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        HookRegistry.register(GATHER_SPEC_EXTRAS, gather_spec_extras_torch, HookType.REPLACE)
+        HookRegistry.register(CPU_OVERLAP_RULE, _keep_overlap_for_eagle_family, HookType.AROUND)
     _registered = True
 
 

@@ -1,0 +1,285 @@
+"""Draft catch-up: replay the positions decoded in plain mode into the EAGLE-3 draft.
+
+An EAGLE-3 draft keeps its own KV cache, in the same slots as the target's. For each
+committed position ``p`` the draft stores what its layer computes from the target's
+packed auxiliary hidden state at ``p`` and the token at ``p + 1``; its next proposal
+starts from the last such row. A plain step runs the target alone, so without this
+module the draft KV at the positions plain steps decode is never written, and the
+first proposals after speculation resumes start from the state the last speculative
+step left.
+
+During plain steps, :class:`PlainGapLog` keeps, for each request slot, the target's
+auxiliary hidden state and input token of every position decoded since the request's
+draft state was last current (the request's *gap*), in a buffer of ``capacity``
+positions per slot. :func:`build_catch_up_batch` then makes one EXTEND batch over
+every gap, and SGLang's own draft prefill pass (``_draft_extend_for_prefill``, the
+pass that follows a target prefill) writes the draft KV an always-speculating server
+would have written there and returns fresh proposals:
+
+    committed KV:  t0 ... t[s-1] | t[s] ... t[L-1] | pending: b (position L)
+                   draft KV ok     gap (plain steps)
+    catch-up:      EXTEND with prefix s, extend L - s; input t[s..L-1] (rotated by
+                   one, b appended, as a prefill), hidden = the logged aux rows
+
+When it runs (``worker.py``): before a speculative step whose batch has gaps (the
+resume), before a mixed prefill+decode step for its decoding requests, and in plain
+mode before a step at which a gap would outgrow the buffer (then every gap in the
+batch is flushed, so gaps restart together and the next flush is ``capacity`` steps
+away). The buffer never overflows. What stays stale: a request that finishes while
+plain leaves fewer than ``capacity`` trailing positions unreplayed; a later request
+that reuses that prefix from the radix cache drafts from them (lower acceptance,
+never a wrong token: the target verifies every draft).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass
+from typing import List, Sequence
+
+import torch
+
+from sglang_dynspec import compat
+from sglang_dynspec.compat import ForwardMode, ScheduleBatch, slice_sampling_info
+
+
+@dataclass(frozen=True)
+class GapRows:
+    """The requests of one batch that have a gap, in batch order (host values)."""
+
+    rows: List[int]  # row of each request in the batch
+    pool_indices: List[int]  # its req_to_token row
+    gaps: List[int]  # positions decoded plain since its draft state was current
+    committed_lens: List[int]  # its KV-committed length L (gap = [L - gap, L))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.gaps)
+
+
+class PlainGapLog:
+    """Per request slot: the aux hidden states and tokens of positions decoded plain.
+
+    Host counters (``gap``) drive every decision, so no step needs a device sync; a
+    device cursor (``_fill``) mirrors them and picks the column each plain step writes.
+    Both advance by exactly one per plain step of a request.
+    """
+
+    def __init__(self, pool_size: int, capacity: int, hidden_width: int,
+                 hidden_dtype: torch.dtype, device):
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
+        self.capacity = capacity
+        self.device = device
+        self.hidden = torch.zeros(pool_size, capacity, hidden_width, dtype=hidden_dtype, device=device)
+        self.tokens = torch.zeros(pool_size, capacity, dtype=torch.int64, device=device)
+        self._fill = torch.zeros(pool_size, dtype=torch.int64, device=device)
+        self.gap = [0] * pool_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.hidden, self.tokens, self._fill))
+
+    def is_full(self, pool_indices: Sequence[int]) -> bool:
+        """True if recording one more plain step would overflow some request's buffer."""
+        return any(self.gap[i] >= self.capacity for i in pool_indices)
+
+    def record(self, pool_indices: Sequence[int], pool_indices_device: torch.Tensor,
+               tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Log one plain step: ``tokens[i]`` was the input and ``hidden[i]`` the aux state
+        at the position request ``i`` just decoded. Call ``is_full`` (and flush) first."""
+        for i in pool_indices:
+            if self.gap[i] >= self.capacity:
+                raise RuntimeError(f"request slot {i}: plain-step log full ({self.capacity} positions)")
+            self.gap[i] += 1
+        idx = pool_indices_device.long()
+        col = self._fill[idx]
+        self.hidden[idx, col] = hidden.to(self.hidden.dtype)
+        self.tokens[idx, col] = tokens.to(torch.int64)
+        self._fill[idx] = col + 1
+
+    def forget(self, pool_indices: Sequence[int]) -> None:
+        """Empty the logs of these slots (caught up, or freshly prefilled)."""
+        pool_indices = [i for i in pool_indices if self.gap[i]]
+        if not pool_indices:
+            return
+        for i in pool_indices:
+            self.gap[i] = 0
+        self._fill[torch.tensor(pool_indices, dtype=torch.int64).to(self.device)] = 0
+
+    def gap_rows(self, pool_indices: Sequence[int], committed_lens) -> GapRows:
+        """The rows with a gap; ``committed_lens`` is a sequence or a callable giving it
+        (called only when some row has a gap, as it may need a device sync)."""
+        rows = [r for r, i in enumerate(pool_indices) if self.gap[i]]
+        if rows and callable(committed_lens):
+            committed_lens = committed_lens()
+        return GapRows(
+            rows=rows,
+            pool_indices=[pool_indices[r] for r in rows],
+            gaps=[self.gap[pool_indices[r]] for r in rows],
+            committed_lens=[int(committed_lens[r]) for r in rows],
+        )
+
+    def gather(self, gap_rows: GapRows):
+        """# [num_tokens, width], [num_tokens]: the logged rows, request after request."""
+        slots = list(itertools.chain.from_iterable([i] * g for i, g in zip(gap_rows.pool_indices, gap_rows.gaps)))
+        cols = list(itertools.chain.from_iterable(range(g) for g in gap_rows.gaps))
+        index = torch.tensor([slots, cols], dtype=torch.int64).to(self.device)
+        return self.hidden[index[0], index[1]], self.tokens[index[0], index[1]]
+
+
+def build_catch_up_batch(batch: ScheduleBatch, gap_rows: GapRows, tokens: torch.Tensor,
+                         req_to_token: torch.Tensor) -> ScheduleBatch:
+    """A new EXTEND batch over the gaps of ``gap_rows`` (``batch`` is left untouched).
+
+    Request ``k`` extends positions ``[L_k - g_k, L_k)`` with the logged input tokens
+    (``tokens``, concatenated in request order) into the KV slots the target wrote
+    there. No logprobs, no spec input, no CUDA-graph eligibility flags.
+    """
+    n = len(gap_rows)
+    device = batch.seq_lens.device
+    prefix = [L - g for L, g in zip(gap_rows.committed_lens, gap_rows.gaps)]
+    rows = torch.tensor(gap_rows.rows, dtype=torch.int64).to(device)
+
+    ext = copy.copy(batch)  # shares pools and requests; every field below is rebound
+    ext.forward_mode = ForwardMode.EXTEND
+    ext.reqs = [batch.reqs[r] for r in gap_rows.rows]
+    ext.req_pool_indices = torch.tensor(gap_rows.pool_indices, dtype=batch.req_pool_indices.dtype).to(device)
+    if getattr(batch, "req_pool_indices_cpu", None) is not None:
+        ext.req_pool_indices_cpu = torch.tensor(gap_rows.pool_indices, dtype=torch.int64)
+    ext.input_ids = tokens
+    positions = torch.tensor(
+        list(itertools.chain.from_iterable(range(p, L) for p, L in zip(prefix, gap_rows.committed_lens))),
+        dtype=torch.int64,
+    ).to(device)
+    slots = torch.repeat_interleave(
+        ext.req_pool_indices.long(), torch.tensor(gap_rows.gaps, dtype=torch.int64).to(device)
+    )
+    ext.out_cache_loc = req_to_token[slots, positions].to(torch.int64)
+    ext.seq_lens_cpu = torch.tensor(gap_rows.committed_lens, dtype=torch.int64)
+    ext.seq_lens = ext.seq_lens_cpu.to(device=device, dtype=batch.seq_lens.dtype)
+    ext.seq_lens_sum = int(sum(gap_rows.committed_lens))
+    if hasattr(batch, "orig_seq_lens"):
+        ext.orig_seq_lens = ext.seq_lens.to(torch.int32)
+    if hasattr(batch, "max_seq_len_host"):
+        ext.max_seq_len_host = max(gap_rows.committed_lens)
+    ext.prefix_lens = prefix
+    ext.extend_lens = list(gap_rows.gaps)
+    ext.extend_num_tokens = gap_rows.num_tokens
+    ext.extend_logprob_start_lens = list(gap_rows.gaps)
+    ext.extend_input_logprob_token_ids = None
+    ext.return_logprob = False
+    ext.top_logprobs_nums = None
+    ext.token_ids_logprobs = None
+    ext.multimodal_inputs = [None] * n
+    ext.input_embeds = None
+    ext.spec_info = None
+    ext.decoding_reqs = None
+    ext.chunked_req = None
+    if hasattr(batch, "chunked_req_next_prompt_token"):
+        ext.chunked_req_next_prompt_token = None
+    ext.has_grammar = False
+    ext.is_extend_in_batch = True
+    ext.can_run_decode_cuda_graph = False
+    ext.sampling_info = slice_sampling_info(batch.sampling_info, rows)
+    return ext
+
+
+class DraftCatchUp:
+    """Keeps the draft model current across plain steps (see the module docstring).
+
+    The worker calls ``record`` after each plain step, ``flush_if_full`` before one,
+    ``before_speculative_step`` before a speculative decode step and
+    ``before_extend_step`` before a prefill or mixed step.
+    """
+
+    def __init__(self, spec_worker, capacity: int, metrics=None):
+        self.worker = spec_worker
+        self.metrics = metrics
+        self.log = PlainGapLog(
+            pool_size=compat.request_pool_size(spec_worker),
+            capacity=capacity,
+            hidden_width=compat.target_hidden_width(spec_worker),
+            hidden_dtype=compat.target_hidden_dtype(spec_worker),
+            device=spec_worker.device,
+        )
+
+    @staticmethod
+    def _pool_indices(batch: ScheduleBatch) -> List[int]:
+        return [compat.request_pool_index(req) for req in batch.reqs]
+
+    def record(self, batch: ScheduleBatch, plain_batch: ScheduleBatch, aux_hidden) -> None:
+        """Log the positions a plain step just decoded (``aux_hidden`` ``[bs, 3H]``)."""
+        if aux_hidden is None:
+            raise RuntimeError(
+                "the plain decode step returned no hidden states; the draft catch-up needs "
+                "the target's auxiliary hidden states (FULL capture)"
+            )
+        self.log.record(self._pool_indices(batch), batch.req_pool_indices,
+                        plain_batch.input_ids, aux_hidden)
+
+    def flush_if_full(self, batch: ScheduleBatch) -> None:
+        """Before a plain step: if some request's log is full, catch every gap up."""
+        pool_indices = self._pool_indices(batch)
+        if self.log.is_full(pool_indices):
+            self._catch_up_decode_batch(batch, pool_indices, "buffer_full")
+
+    def before_speculative_step(self, batch: ScheduleBatch) -> None:
+        """Resume: replay the gaps and hand the speculative step fresh draft state."""
+        pool_indices = self._pool_indices(batch)
+        if any(self.log.gap[i] for i in pool_indices):
+            self._catch_up_decode_batch(batch, pool_indices, "resume")
+
+    def before_extend_step(self, batch: ScheduleBatch) -> None:
+        """Prefill or mixed step: catch the decoding requests of a mixed batch up (their
+        one-token tails are drafted by the prefill pass, which needs the positions
+        before them); the other requests are being prefilled, so their slots' logs,
+        left by an earlier owner of the slot or an earlier life of a retracted
+        request, are dropped."""
+        decoding = {id(req) for req in (getattr(batch, "decoding_reqs", None) or ())}
+        rows = [r for r, req in enumerate(batch.reqs) if id(req) in decoding]
+        pool_indices = self._pool_indices(batch)
+        if rows and batch.input_ids is not None:
+            starts = list(itertools.accumulate(batch.extend_lens, initial=0))
+            gap_rows = self.log.gap_rows(
+                [pool_indices[r] for r in rows], [batch.prefix_lens[r] for r in rows]
+            )
+            if len(gap_rows):
+                batch_rows = [rows[k] for k in gap_rows.rows]
+                gap_rows = GapRows(batch_rows, gap_rows.pool_indices, gap_rows.gaps, gap_rows.committed_lens)
+                tail_at = torch.tensor([starts[r] for r in batch_rows], dtype=torch.int64)
+                self._catch_up(batch, gap_rows, batch.input_ids[tail_at.to(batch.input_ids.device)], "mixed")
+        self.log.forget([pool_indices[r] for r in range(len(batch.reqs)) if id(batch.reqs[r]) not in decoding])
+
+    def _catch_up_decode_batch(self, batch: ScheduleBatch, pool_indices: List[int], reason: str) -> None:
+        def committed_lens():
+            # The host mirror is exact when present; otherwise (backends that opt out
+            # of it, e.g. FA3 under overlap) one device sync per catch-up.
+            lens = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens.cpu()
+            return lens.tolist()
+
+        gap_rows = self.log.gap_rows(pool_indices, committed_lens)
+        if not len(gap_rows):
+            return
+        draft_input = batch.spec_info
+        rows = torch.tensor(gap_rows.rows, dtype=torch.int64).to(batch.seq_lens.device)
+        fresh = self._catch_up(batch, gap_rows, compat.pending_tokens(draft_input)[rows], reason)
+        if reason == "resume":
+            compat.with_draft_state_rows(draft_input, rows, fresh)
+        # buffer_full: the fresh state is dropped; the plain step that follows starts a
+        # new gap, and its catch-up at resume produces the state the draft needs.
+
+    def _catch_up(self, batch: ScheduleBatch, gap_rows: GapRows, tails: torch.Tensor, reason: str):
+        timer = compat.DeviceTimer.start(self.worker.device)
+        hidden, tokens = self.log.gather(gap_rows)
+        ext = build_catch_up_batch(batch, gap_rows, tokens, self.worker.req_to_token_pool.req_to_token)
+        fresh = compat.run_draft_extend(self.worker, ext, hidden, tails)
+        self.log.forget(gap_rows.pool_indices)
+        timer.stop()
+        if self.metrics is not None:
+            self.metrics.on_catch_up(reason, len(gap_rows), gap_rows.num_tokens, timer)
+        return fresh
