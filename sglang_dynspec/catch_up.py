@@ -36,12 +36,26 @@ from __future__ import annotations
 import copy
 import itertools
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
 from sglang_dynspec import compat
 from sglang_dynspec.compat import ForwardMode, ScheduleBatch, slice_sampling_info
+
+
+def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """Host values on ``device``, without making the host wait for the device.
+
+    A copy from pageable memory synchronises the CUDA stream, which would drain the
+    overlap scheduler's pipeline at every catch-up; a pinned staging tensor and an
+    asynchronous copy do not (PyTorch keeps the staging memory alive until the copy
+    has run).
+    """
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -102,14 +116,21 @@ class PlainGapLog:
         self.tokens[idx, col] = tokens.to(torch.int64)
         self._fill[idx] = col + 1
 
-    def forget(self, pool_indices: Sequence[int]) -> None:
-        """Empty the logs of these slots (caught up, or freshly prefilled)."""
-        pool_indices = [i for i in pool_indices if self.gap[i]]
-        if not pool_indices:
-            return
+    def forget(self, pool_indices: Sequence[int], pool_indices_device: Optional[torch.Tensor] = None) -> None:
+        """Empty the logs of these slots (caught up, or freshly prefilled).
+
+        ``pool_indices_device``: the same indices already on the device (a batch's
+        ``req_pool_indices``), which saves a host-to-device copy; prefill steps pass
+        it, so they never wait on the device here.
+        """
+        if pool_indices_device is None:
+            pool_indices = [i for i in pool_indices if self.gap[i]]
+            if not pool_indices:
+                return
+            pool_indices_device = to_device(pool_indices, torch.int64, self.device)
         for i in pool_indices:
             self.gap[i] = 0
-        self._fill[torch.tensor(pool_indices, dtype=torch.int64).to(self.device)] = 0
+        self._fill[pool_indices_device.long()] = 0
 
     def gap_rows(self, pool_indices: Sequence[int], committed_lens) -> GapRows:
         """The rows with a gap; ``committed_lens`` is a sequence or a callable giving it
@@ -128,7 +149,7 @@ class PlainGapLog:
         """# [num_tokens, width], [num_tokens]: the logged rows, request after request."""
         slots = list(itertools.chain.from_iterable([i] * g for i, g in zip(gap_rows.pool_indices, gap_rows.gaps)))
         cols = list(itertools.chain.from_iterable(range(g) for g in gap_rows.gaps))
-        index = torch.tensor([slots, cols], dtype=torch.int64).to(self.device)
+        index = to_device([slots, cols], torch.int64, self.device)
         return self.hidden[index[0], index[1]], self.tokens[index[0], index[1]]
 
 
@@ -143,25 +164,26 @@ def build_catch_up_batch(batch: ScheduleBatch, gap_rows: GapRows, tokens: torch.
     n = len(gap_rows)
     device = batch.seq_lens.device
     prefix = [L - g for L, g in zip(gap_rows.committed_lens, gap_rows.gaps)]
-    rows = torch.tensor(gap_rows.rows, dtype=torch.int64).to(device)
+    rows = to_device(gap_rows.rows, torch.int64, device)
 
     ext = copy.copy(batch)  # shares pools and requests; every field below is rebound
     ext.forward_mode = ForwardMode.EXTEND
     ext.reqs = [batch.reqs[r] for r in gap_rows.rows]
-    ext.req_pool_indices = torch.tensor(gap_rows.pool_indices, dtype=batch.req_pool_indices.dtype).to(device)
+    ext.req_pool_indices = to_device(gap_rows.pool_indices, batch.req_pool_indices.dtype, device)
     if getattr(batch, "req_pool_indices_cpu", None) is not None:
         ext.req_pool_indices_cpu = torch.tensor(gap_rows.pool_indices, dtype=torch.int64)
     ext.input_ids = tokens
-    positions = torch.tensor(
+    positions = to_device(
         list(itertools.chain.from_iterable(range(p, L) for p, L in zip(prefix, gap_rows.committed_lens))),
-        dtype=torch.int64,
-    ).to(device)
-    slots = torch.repeat_interleave(
-        ext.req_pool_indices.long(), torch.tensor(gap_rows.gaps, dtype=torch.int64).to(device)
+        torch.int64, device,
+    )
+    slots = to_device(
+        list(itertools.chain.from_iterable([i] * g for i, g in zip(gap_rows.pool_indices, gap_rows.gaps))),
+        torch.int64, device,
     )
     ext.out_cache_loc = req_to_token[slots, positions].to(torch.int64)
     ext.seq_lens_cpu = torch.tensor(gap_rows.committed_lens, dtype=torch.int64)
-    ext.seq_lens = ext.seq_lens_cpu.to(device=device, dtype=batch.seq_lens.dtype)
+    ext.seq_lens = to_device(gap_rows.committed_lens, batch.seq_lens.dtype, device)
     ext.seq_lens_sum = int(sum(gap_rows.committed_lens))
     if hasattr(batch, "orig_seq_lens"):
         ext.orig_seq_lens = ext.seq_lens.to(torch.int32)
@@ -251,9 +273,12 @@ class DraftCatchUp:
             if len(gap_rows):
                 batch_rows = [rows[k] for k in gap_rows.rows]
                 gap_rows = GapRows(batch_rows, gap_rows.pool_indices, gap_rows.gaps, gap_rows.committed_lens)
-                tail_at = torch.tensor([starts[r] for r in batch_rows], dtype=torch.int64)
-                self._catch_up(batch, gap_rows, batch.input_ids[tail_at.to(batch.input_ids.device)], "mixed")
-        self.log.forget([pool_indices[r] for r in range(len(batch.reqs)) if id(batch.reqs[r]) not in decoding])
+                tail_at = to_device([starts[r] for r in batch_rows], torch.int64, batch.input_ids.device)
+                self._catch_up(batch, gap_rows, batch.input_ids[tail_at], "mixed")
+        if rows:
+            self.log.forget([pool_indices[r] for r in range(len(batch.reqs)) if id(batch.reqs[r]) not in decoding])
+        else:
+            self.log.forget(pool_indices, batch.req_pool_indices)
 
     def _catch_up_decode_batch(self, batch: ScheduleBatch, pool_indices: List[int], reason: str) -> None:
         def committed_lens():
@@ -266,7 +291,7 @@ class DraftCatchUp:
         if not len(gap_rows):
             return
         draft_input = batch.spec_info
-        rows = torch.tensor(gap_rows.rows, dtype=torch.int64).to(batch.seq_lens.device)
+        rows = to_device(gap_rows.rows, torch.int64, batch.seq_lens.device)
         fresh = self._catch_up(batch, gap_rows, compat.pending_tokens(draft_input)[rows], reason)
         if reason == "resume":
             compat.with_draft_state_rows(draft_input, rows, fresh)

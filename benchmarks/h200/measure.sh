@@ -18,8 +18,9 @@ export SGLANG_SIMULATE_ACC_LEN=3.0   # read only by speculative verify
 DAY=$(date -u +%Y%m%d)
 RESULTS=$OUT/h200-$DAY.jsonl
 SPEC=("${EAGLE_ARGS[@]}" --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)
+# PLUGIN_COMMIT=<git sha> tags every row with the plugin code that was measured.
 COMMON_BENCH=(--url "$URL" --prompt-len 256 --output-len 256 --no-progress --tag hw=H200
-              --tag shape=llama-3.1-8b-dummy --tag acc_len=3.0)
+              --tag shape=llama-3.1-8b-dummy --tag acc_len=3.0 --tag "plugin_commit=${PLUGIN_COMMIT:-unknown}")
 
 # Every server gets --enable-metrics: the dynamic one needs it to report its mode, and
 # SGLang's metrics collection has a cost of its own (the 2026-11-29 run gave it to the
