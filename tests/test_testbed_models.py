@@ -62,3 +62,30 @@ def test_agree_target_always_predicts_the_agree_token_and_random_target_does_not
         random = AutoModelForCausalLM.from_pretrained(tiny_models["target"])(ids).logits
     assert (agree.argmax(-1) == AGREE_TOKEN).all()
     assert len(set(random.argmax(-1).flatten().tolist())) > 5
+
+
+def test_count_target_follows_every_token_with_the_next_id(tiny_models):
+    """The counting pair's target, run by HF transformers: at every position, over
+    random contexts, the next token is the current one + 1 (mod vocab)."""
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(0, SHAPE.vocab_size, (4, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(tiny_models["target-count"])(ids).logits
+    assert torch.equal(logits.argmax(-1), (ids + 1) % SHAPE.vocab_size)
+
+
+def test_count_draft_proposes_two_ahead_from_the_aux_state(tiny_models):
+    """The draft's pass-through: fc keeps the first aux state (the token's embedding),
+    the layer adds nothing, and lm_head ranks the token two ahead first. Computed
+    from the saved weights with the RMS norm EAGLE-3 applies (weights of ones)."""
+    draft = load_file(str(tiny_models["draft-count"] / "model.safetensors"))
+    target = load_file(str(tiny_models["target-count"] / "model.safetensors"))
+    embed = target["model.embed_tokens.weight"]
+    aux = torch.cat([embed] * len(AUX_LAYER_IDS), dim=-1)  # the zeroed layers pass it through
+    residual = aux @ draft["fc.weight"].T
+    assert torch.count_nonzero(draft["midlayer.self_attn.o_proj.weight"]) == 0
+    assert torch.count_nonzero(draft["midlayer.mlp.down_proj.weight"]) == 0
+    normed = residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + 1e-5)
+    proposals = (normed @ draft["lm_head.weight"].T).argmax(-1)
+    assert torch.equal(proposals, (torch.arange(SHAPE.vocab_size) + 2) % SHAPE.vocab_size)

@@ -1,0 +1,185 @@
+"""End to end on real SGLang (CPU test bed): the draft catch-up (issue 3).
+
+1. Draft KV rows. The same six prompts run on a stock EAGLE3 server (always
+   speculating) and on EAGLE3_DYNAMIC servers with threshold 3, so the six run
+   plain, the four short ones finish, and the two long ones resume speculation and
+   finish speculating. Each server writes the draft K and V rows of every finished
+   request (``testbed/draft_kv.py``). With the catch-up (buffer of 4 positions, so
+   it also flushes in plain mode), the long requests' rows equal EAGLE3's at every
+   position, under both schedulers, within float32 rounding; the short ones, which
+   finish while plain, differ at most in their last 4 positions (the documented
+   stale tail). With the catch-up off, the positions decoded plain differ: the
+   comparison can fail.
+
+2. Acceptance right after a resume. With the counting pair (the right proposal
+   depends on the position, see ``testbed/models.py``) and one draft step, every
+   speculative step accepts 2 tokens when the draft state is current. The first
+   step after a resume accepts 2 with the catch-up (sync and overlap schedulers)
+   and fewer without it. Outputs count up, as the target alone does.
+
+Greedy outputs equal the EAGLE3 server's, token for token, in every run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import pytest
+import torch
+
+from sglang_dynspec.testbed.draft_kv import DUMP_DIR_ENV, load_dumps
+from sglang_dynspec.testbed.server import CpuServer, wait_until_idle
+from sglang_dynspec.testbed.workload import plugin_counters, random_requests, run_waves
+
+pytestmark = pytest.mark.server
+
+CI_ENV = {"SGLANG_IS_IN_CI": "1"}
+OVERLAP_ENV = {**CI_ENV, "SGLANG_DYNSPEC_TESTBED_OVERLAP": "1"}
+BUFFER = 4  # --speculative-catch-up-tokens in these tests
+# float32 on CPU: plain decode and verify compute the target's hidden states with
+# different kernels; the draft's K/V rows then differ by ~1e-5, junk by ~1.
+KV_TOLERANCE = 1e-4
+
+LONG = random_requests(2, seed=21, prefix="long", new_tokens=(60, 60))
+SHORT = random_requests(4, seed=22, prefix="short", new_tokens=(20, 20))
+KV_WAVES = [LONG + SHORT]
+# One request alone (speculating), then six (plain), of which two outlive the rest.
+COUNT_WAVES = [
+    random_requests(1, seed=31, prefix="alone", new_tokens=(30, 30)),
+    random_requests(2, seed=32, prefix="long", new_tokens=(60, 60))
+    + random_requests(4, seed=33, prefix="short", new_tokens=(20, 20)),
+]
+
+
+def spec_args(models, target: str, draft: str, steps: int, draft_tokens: int) -> List[str]:
+    return [
+        "--model-path", models[target],
+        "--speculative-draft-model-path", models[draft],
+        "--speculative-num-steps", steps,
+        "--speculative-eagle-topk", 1,
+        "--speculative-num-draft-tokens", draft_tokens,
+        "--max-running-requests", 16,
+        "--enable-metrics",
+    ]
+
+
+def dynamic_args(buffer: int) -> List[str]:
+    return [
+        "--speculative-algorithm", "EAGLE3_DYNAMIC",
+        "--speculative-disable-batch-threshold", 3,
+        "--speculative-min-dwell-steps", 0,
+        "--speculative-catch-up-tokens", buffer,
+    ]
+
+
+def serve(args, log: Path, env: Dict[str, str], waves):
+    """Run ``waves`` on a server; return (outputs by rid, plugin counters or None)."""
+    with CpuServer(args, log_path=log, env=env) as server:
+        outputs = run_waves(server.url, waves)
+        loads = wait_until_idle(server.url, timeout=60)
+        assert all(load["num_used_tokens"] == 0 for load in loads), f"KV leak: {loads}"
+        counters = plugin_counters(server.url)
+    return {rid: out["output_ids"] for rid, out in outputs.items()}, counters
+
+
+def dumps_by_tokens(directory: Path) -> Dict[Tuple[int, ...], dict]:
+    return {
+        tuple(record["token_ids"]): record
+        for record in load_dumps(directory).values()
+        if not str(record["rid"]).startswith("HEALTH_CHECK")
+    }
+
+
+def started_as(tokens: Tuple[int, ...], requests) -> bool:
+    return any(tokens[: len(r.input_ids)] == r.input_ids for r in requests)
+
+
+def is_long(tokens: Tuple[int, ...]) -> bool:
+    return started_as(tokens, LONG)
+
+
+def kv_mismatches(a: dict, b: dict) -> List[int]:
+    """Positions whose draft K or V rows differ by more than the tolerance."""
+    assert a["k"].shape == b["k"].shape, (a["k"].shape, b["k"].shape)
+    diff = torch.maximum((a["k"] - b["k"]).abs(), (a["v"] - b["v"]).abs())
+    per_position = diff.amax(dim=(0, 2, 3))  # [layers, positions, heads, dim] -> [positions]
+    return (per_position > KV_TOLERANCE).nonzero().flatten().tolist()
+
+
+@pytest.fixture(scope="module")
+def eagle3_draft_kv(tiny_models, tmp_path_factory):
+    """Outputs and draft KV dumps of the always-speculating EAGLE3 server."""
+    root = tmp_path_factory.mktemp("eagle3-kv")
+    args = ["--speculative-algorithm", "EAGLE3", *spec_args(tiny_models, "target", "draft", 3, 4)]
+    outputs, _ = serve(args, root / "server.log", {**CI_ENV, DUMP_DIR_ENV: str(root)}, KV_WAVES)
+    return outputs, dumps_by_tokens(root)
+
+
+def run_dynamic_with_dumps(tiny_models, tmp_path, env, buffer):
+    args = [*dynamic_args(buffer), *spec_args(tiny_models, "target", "draft", 3, 4)]
+    outputs, counters = serve(args, tmp_path / "server.log", {**env, DUMP_DIR_ENV: str(tmp_path)}, KV_WAVES)
+    assert counters.steps_plain > 0 and counters.switches_to_spec >= 1, counters
+    return outputs, counters, dumps_by_tokens(tmp_path)
+
+
+@pytest.mark.parametrize("scheduler_env", [CI_ENV, OVERLAP_ENV], ids=["sync", "overlap"])
+def test_draft_kv_after_catch_up_equals_always_speculating(tiny_models, eagle3_draft_kv, tmp_path, scheduler_env):
+    reference_outputs, reference_kv = eagle3_draft_kv
+    outputs, counters, kv = run_dynamic_with_dumps(tiny_models, tmp_path, scheduler_env, BUFFER)
+
+    assert outputs == reference_outputs
+    assert counters.catch_ups["resume"] >= 1 and counters.catch_ups["buffer_full"] >= 1, counters
+    # (The server's own warm-up request is dumped too and compared like the others.)
+    assert set(kv) == set(reference_kv)
+    assert sum(is_long(t) for t in kv) == len(LONG) and sum(started_as(t, SHORT) for t in kv) == len(SHORT)
+    for tokens, record in kv.items():
+        bad = kv_mismatches(record, reference_kv[tokens])
+        positions = record["k"].shape[1]
+        if is_long(tokens):
+            assert bad == [], f"long request ({positions} positions): draft KV differs at {bad}"
+        elif started_as(tokens, SHORT):
+            # Finished while plain: at most the last BUFFER positions were never replayed.
+            assert all(p >= positions - BUFFER for p in bad), (positions, bad)
+        else:
+            assert bad == [], f"warm-up request: draft KV differs at {bad}"
+
+
+def test_draft_kv_without_catch_up_differs_where_decoded_plain(tiny_models, eagle3_draft_kv, tmp_path):
+    """Negative control: the comparison above detects unwritten draft KV."""
+    reference_outputs, reference_kv = eagle3_draft_kv
+    outputs, counters, kv = run_dynamic_with_dumps(tiny_models, tmp_path, CI_ENV, 0)
+
+    assert outputs == reference_outputs
+    assert sum(counters.catch_ups.values()) == 0
+    stale = {tokens: kv_mismatches(record, reference_kv[tokens]) for tokens, record in kv.items()}
+    long_stale = [bad for tokens, bad in stale.items() if is_long(tokens)]
+    assert len(long_stale) == len(LONG)
+    # Every plain step left one position per running request unwritten.
+    assert all(len(bad) >= BUFFER for bad in long_stale), long_stale
+
+
+def counting_run(tiny_models, tmp_path, env, buffer):
+    args = [*dynamic_args(buffer), *spec_args(tiny_models, "target-count", "draft-count", 1, 2)]
+    outputs, counters = serve(args, tmp_path / "server.log", env, COUNT_WAVES)
+    assert counters.switches_to_plain >= 1 and counters.switches_to_spec >= 1, counters
+    prompts = {r.rid: r.input_ids for wave in COUNT_WAVES for r in wave}
+    for rid, ids in outputs.items():
+        start = prompts[rid][-1]
+        assert ids == [(start + 1 + i) % 512 for i in range(len(ids))], rid  # what the target alone emits
+    return counters
+
+
+@pytest.mark.parametrize("scheduler_env", [CI_ENV, OVERLAP_ENV], ids=["sync", "overlap"])
+def test_first_step_after_resume_accepts_as_many_as_steady_state(tiny_models, tmp_path, scheduler_env):
+    counters = counting_run(tiny_models, tmp_path, scheduler_env, BUFFER)
+    assert counters.resume_requests >= 1, counters
+    # Steady state of the counting pair with one draft step: 2 tokens per step.
+    assert counters.resume_accept_length == 2.0, counters
+
+
+def test_first_step_after_resume_without_catch_up_accepts_less(tiny_models, tmp_path):
+    """Negative control: the stale draft state proposes the wrong token."""
+    counters = counting_run(tiny_models, tmp_path, CI_ENV, 0)
+    assert counters.resume_requests >= 1, counters
+    assert counters.resume_accept_length < 2.0, counters
