@@ -235,6 +235,32 @@ sglang:unrelated 99
     assert snap.num_running_reqs == 16.0
 
 
+def test_parse_metrics_reads_catch_up_and_resume_series():
+    text = """\
+# TYPE sglang:spec_dynamic_mode gauge
+sglang:spec_dynamic_mode{model_name="m"} 1.0
+# TYPE sglang:spec_dynamic_catch_up_total counter
+sglang:spec_dynamic_catch_up_total{model_name="m",reason="resume"} 2
+sglang:spec_dynamic_catch_up_total{model_name="m",reason="buffer_full"} 5
+# TYPE sglang:spec_dynamic_catch_up_tokens_total counter
+sglang:spec_dynamic_catch_up_tokens_total{model_name="m"} 700
+# TYPE sglang:spec_dynamic_catch_up_seconds histogram
+sglang:spec_dynamic_catch_up_seconds_bucket{le="+Inf",model_name="m"} 7
+sglang:spec_dynamic_catch_up_seconds_count{model_name="m"} 7
+sglang:spec_dynamic_catch_up_seconds_sum{model_name="m"} 0.035
+# TYPE sglang:spec_dynamic_resume_accepted_tokens_total counter
+sglang:spec_dynamic_resume_accepted_tokens_total{model_name="m"} 9
+# TYPE sglang:spec_dynamic_resume_requests_total counter
+sglang:spec_dynamic_resume_requests_total{model_name="m"} 3
+"""
+    snap = metrics.parse_metrics(text)
+    assert snap.catch_ups == {"resume": 2.0, "buffer_full": 5.0}
+    assert (snap.catch_up_tokens, snap.catch_up_timed) == (700.0, 7.0)
+    assert abs(snap.catch_up_seconds_sum - 0.035) < 1e-12
+    assert snap.resume_accept_length == 3.0
+    assert metrics.parse_metrics('sglang:spec_dynamic_mode{model_name="m"} 1.0\n').resume_accept_length is None
+
+
 def test_parse_metrics_without_plugin():
     snap = metrics.parse_metrics('sglang:num_running_reqs{tp_rank="0"} 3\n')
     assert snap.mode is None and snap.steps_spec is None and snap.switches_to_spec is None

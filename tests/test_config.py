@@ -8,10 +8,12 @@ import pytest
 
 from sglang_dynspec import config
 from sglang_dynspec.config import (
+    CATCH_UP_TOKENS,
     DISABLE_THRESHOLD,
     ENABLE_THRESHOLD,
     MIN_DWELL,
     ConfigError,
+    catch_up_tokens_from_environ,
     thresholds_from_environ,
 )
 
@@ -52,6 +54,21 @@ def test_bad_values_name_the_flag_and_what_is_accepted(values, flag):
     msg = str(e.value)
     assert flag.option in msg and flag.env in msg
     assert "non-negative integer" in msg
+
+
+@pytest.mark.parametrize("raw, expected", [(None, 32), ("", 32), ("0", 0), ("1", 1), ("128", 128), ("4096", 4096)])
+def test_catch_up_buffer_size(raw, expected):
+    environ = {} if raw is None else {CATCH_UP_TOKENS.env: raw}
+    assert catch_up_tokens_from_environ(environ) == expected
+
+
+@pytest.mark.parametrize("raw, accepted", [("-1", "non-negative integer"), ("x", "non-negative integer"),
+                                           ("4097", "between 0 and 4096")])
+def test_bad_catch_up_buffer_size_names_the_flag(raw, accepted):
+    with pytest.raises(ConfigError) as e:
+        catch_up_tokens_from_environ({CATCH_UP_TOKENS.env: raw})
+    msg = str(e.value)
+    assert CATCH_UP_TOKENS.option in msg and CATCH_UP_TOKENS.env in msg and accepted in msg
 
 
 @pytest.mark.parametrize("n, m", [(8, 8), (8, 9), (8, 0)])

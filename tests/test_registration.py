@@ -161,6 +161,13 @@ def test_flags_reach_the_environment(plugin_loaded, clean_flag_env):
     assert (t.disable_above, t.enable_at_or_below, t.min_dwell_steps) == (40, 30, 4)
 
 
+def test_catch_up_flag_reaches_the_environment_and_is_checked_at_resolution(plugin_loaded, clean_flag_env):
+    _resolve(["--speculative-catch-up-tokens", "16"])
+    assert config.catch_up_tokens_from_environ() == 16
+    with pytest.raises(ValueError, match="--speculative-catch-up-tokens .* between 0 and 4096"):
+        _resolve(["--speculative-catch-up-tokens", "5000"])
+
+
 def test_negative_flag_is_an_argparse_error_naming_it(plugin_loaded, clean_flag_env, capsys):
     with pytest.raises(SystemExit):
         _resolve(["--speculative-min-dwell-steps", "-1"])
