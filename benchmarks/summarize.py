@@ -1,6 +1,9 @@
 """Print the Markdown tables of BENCHMARKS.md from a sweep results file.
 
-    python benchmarks/summarize.py benchmarks/results/h200-20261129.jsonl
+    python benchmarks/summarize.py benchmarks/results/h200-20261129.jsonl [--where KEY=VALUE ...]
+
+``--where plugin_commit=2eab7dc`` keeps the rows of one measurement (the file holds
+several); ``KEY=none`` matches rows without the key.
 
 For each concurrency: mean output tok/s of each configuration with its spread over
 repeats (min-max), the ratios to the baseline, and dynamic / max(baseline, EAGLE-3),
@@ -17,11 +20,15 @@ from collections import defaultdict
 CONFIGS = ("baseline", "eagle3", "dynamic")
 
 
-def load(path):
+def matches(record, where):
+    return all(str(record.get(key, "none")) == value for key, value in where)
+
+
+def load(path, where=()):
     points = defaultdict(list)
     for line in open(path):
         record = json.loads(line)
-        if record.get("kind") == "sweep_point":
+        if record.get("kind") == "sweep_point" and matches(record, where):
             points[(record["config"], record["concurrency"])].append(record)
     return points
 
@@ -35,14 +42,16 @@ def spread(rows, key):
     return f"{min(values):,.0f}–{max(values):,.0f}"
 
 
-def main(path):
-    points = load(path)
+def main(path, where=()):
+    points = load(path, where)
     concurrencies = sorted({c for (_, c) in points})
     print("| C | baseline tok/s | EAGLE-3 tok/s | dynamic tok/s | EAGLE-3 / base | dynamic / base "
           "| dynamic / max(base, EAGLE-3) | dynamic steps in spec mode |")
     print("|---|---|---|---|---|---|---|---|")
     for c in concurrencies:
         b, e, d = (points[(cfg, c)] for cfg in CONFIGS)
+        if not (b and e and d):
+            continue
         best = max(mean(b, "output_tok_s"), mean(e, "output_tok_s"))
         spec = [r.get("spec_step_frac") for r in d]
         spec_text = "/".join("–" if s is None else f"{s:.0%}" for s in spec)
@@ -56,6 +65,8 @@ def main(path):
     print("| C | ITL p50 ms (base / EAGLE-3 / dynamic) | ITL p99 ms | TTFT p50 ms | per-request tok/s |")
     print("|---|---|---|---|---|")
     for c in concurrencies:
+        if not all(points[(cfg, c)] for cfg in CONFIGS):
+            continue
         cells = []
         for key, fmt in (("itl_p50_ms", ".1f"), ("itl_p99_ms", ".1f"), ("ttft_p50_ms", ".0f"),
                          ("per_request_tok_s", ".0f")):
@@ -65,4 +76,10 @@ def main(path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results")
+    parser.add_argument("--where", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args()
+    main(args.results, [tuple(w.split("=", 1)) for w in args.where])
