@@ -106,9 +106,10 @@ class PlainGapLog:
                tokens: torch.Tensor, hidden: torch.Tensor) -> None:
         """Log one plain step: ``tokens[i]`` was the input and ``hidden[i]`` the aux state
         at the position request ``i`` just decoded. Call ``is_full`` (and flush) first."""
+        full = [i for i in pool_indices if self.gap[i] >= self.capacity]
+        if full:
+            raise RuntimeError(f"request slots {full}: plain-step log full ({self.capacity} positions)")
         for i in pool_indices:
-            if self.gap[i] >= self.capacity:
-                raise RuntimeError(f"request slot {i}: plain-step log full ({self.capacity} positions)")
             self.gap[i] += 1
         idx = pool_indices_device.long()
         col = self._fill[idx]
@@ -259,9 +260,9 @@ class DraftCatchUp:
     def before_extend_step(self, batch: ScheduleBatch) -> None:
         """Prefill or mixed step: catch the decoding requests of a mixed batch up (their
         one-token tails are drafted by the prefill pass, which needs the positions
-        before them); the other requests are being prefilled, so their slots' logs,
-        left by an earlier owner of the slot or an earlier life of a retracted
-        request, are dropped."""
+        before them). The other requests are being prefilled: their slots' logs, left
+        by an earlier owner of the slot or an earlier life of a retracted request, are
+        dropped."""
         decoding = {id(req) for req in (getattr(batch, "decoding_reqs", None) or ())}
         rows = [r for r, req in enumerate(batch.reqs) if id(req) in decoding]
         pool_indices = self._pool_indices(batch)
@@ -275,10 +276,10 @@ class DraftCatchUp:
                 gap_rows = GapRows(batch_rows, gap_rows.pool_indices, gap_rows.gaps, gap_rows.committed_lens)
                 tail_at = to_device([starts[r] for r in batch_rows], torch.int64, batch.input_ids.device)
                 self._catch_up(batch, gap_rows, batch.input_ids[tail_at], "mixed")
-        if rows:
-            self.log.forget([pool_indices[r] for r in range(len(batch.reqs)) if id(batch.reqs[r]) not in decoding])
-        else:
-            self.log.forget(pool_indices, batch.req_pool_indices)
+        # Every other log of the batch is dropped: a slot being prefilled, or a decoding
+        # request whose gap could not be replayed here (no input ids); its tail is
+        # drafted by this step, so later plain positions would not continue the gap.
+        self.log.forget(pool_indices, batch.req_pool_indices)
 
     def _catch_up_decode_batch(self, batch: ScheduleBatch, pool_indices: List[int], reason: str) -> None:
         def committed_lens():
