@@ -170,7 +170,13 @@ def test_overlap_topk1_agreeing_pair_keeps_full_acceptance(tiny_models, referenc
     with CpuServer(args, log_path=tmp_path / "server.log", env=OVERLAP_ENV) as server:
         got = {**run_waves(server.url, WAVES), **run_waves(server.url, CRASH_WAVES)}
         assert_switched_both_ways_and_no_leak(server)
+        counters = plugin_counters(server.url)
     assert_identical(reference["agree"], got)
+    # The first speculative step after every resume accepted the full chain, as every
+    # other step does (tests/test_catch_up_e2e.py shows the same with a pair whose right
+    # proposal depends on the position, where a stale draft state would fail).
+    assert counters.resume_requests >= 1, counters
+    assert counters.resume_accept_length == steps + 1, counters
     # The lone request after each 10-request wave runs right after a plain phase, in
     # spec mode throughout. With every draft accepted, each verify step commits
     # steps + 1 tokens (the drafts + the bonus), as in steady state; the first token

@@ -49,11 +49,14 @@ done
 
 # Ramps: RAMP_CONFIGS="dynamic baseline" compares the gaps at the dynamic server's
 # switches with the gaps a server without switches shows at the same load steps.
+# RAMP_STEPS=24,26,...,40,...,24 steps the load in small increments around the
+# thresholds, so that no load step prefills dozens of prompts at once (default: the
+# tool's 1 -> 128 -> 1 doubling ramp).
 for cfg in ${RAMP_CONFIGS:-${RAMP_CONFIG:-}}; do
   # shellcheck disable=SC2046
   start_server "ramp-$cfg" $(server_args "$cfg") && {
     python3 -m sglang_dynspec.bench ramp "${COMMON_BENCH[@]}" --config "$cfg" \
-      --hold-s "${RAMP_HOLD_S:-4}" --out "$OUT/ramp-$DAY.jsonl" 2>> "$OUT/ramp.err" | tail -n 3
+      --hold-s "${RAMP_HOLD_S:-4}" ${RAMP_STEPS:+--steps "$RAMP_STEPS"} --out "$OUT/ramp-$DAY.jsonl" 2>> "$OUT/ramp.err" | tail -n 3
     stop_server; }
 done
 grep -h "sglang-dynspec" "$OUT"/server_*.log | grep -v Capturing | tail -n 8
