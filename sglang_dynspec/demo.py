@@ -109,12 +109,19 @@ def main(argv=None) -> int:
         print(f"  {index + 1:>4}  {size:>8}  {spec:>10.0f}  {plain:>11.0f}  {after}")
     print(f"  total: {totals.steps_spec:.0f} speculative and {totals.steps_plain:.0f} plain decode steps; "
           f"{totals.switches_to_plain:.0f} switches to plain, {totals.switches_to_spec:.0f} back to EAGLE-3")
+    if totals.catch_ups is not None:
+        print(f"  draft catch-up: {sum(totals.catch_ups.values()):.0f} replays "
+              f"({', '.join(f'{k} {v:.0f}' for k, v in totals.catch_ups.items())}) "
+              f"of {totals.catch_up_tokens:.0f} positions decoded plain")
     switches = [line.split("] ", 1)[-1] for line in log_path.read_text().splitlines()
-                if re.search(r"\[sglang-dynspec\] (spec -> plain|plain -> spec)", line)]
+                if re.search(r"\[sglang-dynspec\] (spec -> plain|plain -> spec|draft catch-up \(resume|first spec)", line)]
     if switches:
-        print("Switches, as the server logged them:")
+        print("Switches and resumes, as the server logged them:")
         for line in switches:
             print(f"  {line}")
+        print("  (the demo's draft has random weights, so it almost never proposes the target's token:")
+        print("  1.00 accepted token per step, the target's own, is its steady state too; with a draft")
+        print("  that agrees, tests/test_catch_up_e2e.py shows full acceptance right after a resume)")
 
     mismatches = compare_outputs(reference, dynamic)
     print()
