@@ -19,7 +19,15 @@ Manifest of what we use, and why:
   on 0.5.23 (``spec_forward_kwargs``).
 * ``ScheduleBatch`` fields ``reqs, forward_mode, spec_info, spec_algorithm, input_ids,
   out_cache_loc, seq_lens, seq_lens_cpu, seq_lens_sum, req_pool_indices,
-  return_logprob, has_grammar, enable_overlap`` (same names in both versions).
+  return_logprob, has_grammar, enable_overlap`` (same names in both versions), and
+  for the catch-up's EXTEND batch (``catch_up.build_catch_up_batch``) ``prefix_lens,
+  extend_lens, extend_num_tokens, extend_logprob_start_lens,
+  extend_input_logprob_token_ids, top_logprobs_nums, token_ids_logprobs,
+  multimodal_inputs, input_embeds, decoding_reqs, chunked_req, is_extend_in_batch,
+  can_run_decode_cuda_graph, sampling_info`` (both versions) and, where present,
+  ``req_pool_indices_cpu, orig_seq_lens, max_seq_len_host,
+  chunked_req_next_prompt_token``. A request's ``req_to_token`` row is
+  ``request_pool_index`` (moved in 0.5.23).
 * ``EagleDraftInput``: the spec state carried between steps; its pending token is
   ``bonus_tokens`` in both versions.
 * ``GenerationBatchResult`` fields ``next_token_ids, accept_lens, new_seq_lens,
