@@ -11,6 +11,9 @@
    stale tail). With the catch-up off, the positions decoded plain differ: the
    comparison can fail.
 
+   With mixed chunked prefill, the decoding requests' gaps are replayed before each
+   mixed step; their draft KV is held to the same bound.
+
 2. Acceptance right after a resume. With the counting pair (the right proposal
    depends on the position, see ``testbed/models.py``) and one draft step, every
    speculative step accepts 2 tokens when the draft state is current. The first
@@ -30,7 +33,7 @@ import torch
 
 from sglang_dynspec.testbed.draft_kv import DUMP_DIR_ENV, load_dumps
 from sglang_dynspec.testbed.server import CpuServer, wait_until_idle
-from sglang_dynspec.testbed.workload import plugin_counters, random_requests, run_waves
+from sglang_dynspec.testbed.workload import plugin_counters, random_requests, run_staggered, run_waves
 
 pytestmark = pytest.mark.server
 
@@ -45,6 +48,10 @@ LONG = random_requests(2, seed=21, prefix="long", new_tokens=(60, 60))
 SHORT = random_requests(4, seed=22, prefix="short", new_tokens=(20, 20))
 KV_WAVES = [LONG + SHORT]
 # One request alone (speculating), then six (plain), of which two outlive the rest.
+# Prompts longer than a 32-token prefill chunk, started 0.15 s apart: with
+# --enable-mixed-chunk their chunks mix with the decoding requests, whose gaps are
+# then replayed before the mixed step.
+STAGGERED = random_requests(8, seed=41, prefix="mix", prompt_len=(33, 70), new_tokens=(40, 40))
 COUNT_WAVES = [
     random_requests(1, seed=31, prefix="alone", new_tokens=(30, 30)),
     random_requests(2, seed=32, prefix="long", new_tokens=(60, 60))
@@ -73,10 +80,14 @@ def dynamic_args(buffer: int) -> List[str]:
     ]
 
 
-def serve(args, log: Path, env: Dict[str, str], waves):
-    """Run ``waves`` on a server; return (outputs by rid, plugin counters or None)."""
+def serve(args, log: Path, env: Dict[str, str], waves=None, staggered=None):
+    """Run ``waves`` (or ``staggered`` requests) on a server; return (outputs by rid,
+    plugin counters)."""
     with CpuServer(args, log_path=log, env=env) as server:
-        outputs = run_waves(server.url, waves)
+        if staggered is not None:
+            outputs = run_staggered(server.url, staggered, gap_s=0.15)
+        else:
+            outputs = run_waves(server.url, waves)
         loads = wait_until_idle(server.url, timeout=60)
         assert all(load["num_used_tokens"] == 0 for load in loads), f"KV leak: {loads}"
         counters = plugin_counters(server.url)
@@ -157,6 +168,30 @@ def test_draft_kv_without_catch_up_differs_where_decoded_plain(tiny_models, eagl
     assert len(long_stale) == len(LONG)
     # Every plain step left one position per running request unwritten.
     assert all(len(bad) >= BUFFER for bad in long_stale), long_stale
+
+
+def test_draft_kv_with_mixed_chunks_equals_always_speculating(tiny_models, tmp_path):
+    """Mixed prefill+decode steps (the third catch-up point). Which requests are in plain
+    mode when a chunk mixes in depends on timing, so every request is held to the
+    weaker bound: all positions but its last BUFFER equal the EAGLE3 server's."""
+    common = spec_args(tiny_models, "target", "draft", 3, 4)
+    reference_dir, dynamic_dir = tmp_path / "eagle3", tmp_path / "dynamic"
+    reference_dir.mkdir()
+    dynamic_dir.mkdir()
+    reference_outputs, _ = serve(["--speculative-algorithm", "EAGLE3", *common], reference_dir / "server.log",
+                                 {**CI_ENV, DUMP_DIR_ENV: str(reference_dir)}, staggered=STAGGERED)
+    mixed = ["--enable-mixed-chunk", "--chunked-prefill-size", 32]
+    outputs, counters = serve([*dynamic_args(BUFFER), *common, *mixed], dynamic_dir / "server.log",
+                              {**CI_ENV, DUMP_DIR_ENV: str(dynamic_dir)}, staggered=STAGGERED)
+
+    assert outputs == reference_outputs
+    assert counters.steps_plain > 0 and sum(counters.catch_ups.values()) >= 1, counters
+    reference_kv, kv = dumps_by_tokens(reference_dir), dumps_by_tokens(dynamic_dir)
+    assert set(kv) == set(reference_kv)
+    for tokens, record in kv.items():
+        positions = record["k"].shape[1]
+        bad = kv_mismatches(record, reference_kv[tokens])
+        assert all(p >= positions - BUFFER for p in bad), (positions, bad, counters.catch_ups)
 
 
 def counting_run(tiny_models, tmp_path, env, buffer):
