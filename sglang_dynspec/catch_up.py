@@ -74,6 +74,10 @@ class GapRows:
     def num_tokens(self) -> int:
         return sum(self.gaps)
 
+    def token_slots(self) -> List[int]:
+        """The ``req_to_token`` row of each replayed position, request after request."""
+        return list(itertools.chain.from_iterable([i] * g for i, g in zip(self.pool_indices, self.gaps)))
+
 
 class PlainGapLog:
     """Per request slot: the aux hidden states and tokens of positions decoded plain.
@@ -148,9 +152,8 @@ class PlainGapLog:
 
     def gather(self, gap_rows: GapRows):
         """# [num_tokens, width], [num_tokens]: the logged rows, request after request."""
-        slots = list(itertools.chain.from_iterable([i] * g for i, g in zip(gap_rows.pool_indices, gap_rows.gaps)))
         cols = list(itertools.chain.from_iterable(range(g) for g in gap_rows.gaps))
-        index = to_device([slots, cols], torch.int64, self.device)
+        index = to_device([gap_rows.token_slots(), cols], torch.int64, self.device)
         return self.hidden[index[0], index[1]], self.tokens[index[0], index[1]]
 
 
@@ -178,10 +181,7 @@ def build_catch_up_batch(batch: ScheduleBatch, gap_rows: GapRows, tokens: torch.
         list(itertools.chain.from_iterable(range(p, L) for p, L in zip(prefix, gap_rows.committed_lens))),
         torch.int64, device,
     )
-    slots = to_device(
-        list(itertools.chain.from_iterable([i] * g for i, g in zip(gap_rows.pool_indices, gap_rows.gaps))),
-        torch.int64, device,
-    )
+    slots = to_device(gap_rows.token_slots(), torch.int64, device)
     ext.out_cache_loc = req_to_token[slots, positions].to(torch.int64)
     ext.seq_lens_cpu = torch.tensor(gap_rows.committed_lens, dtype=torch.int64)
     ext.seq_lens = to_device(gap_rows.committed_lens, batch.seq_lens.dtype, device)
@@ -215,9 +215,9 @@ def build_catch_up_batch(batch: ScheduleBatch, gap_rows: GapRows, tokens: torch.
 class DraftCatchUp:
     """Keeps the draft model current across plain steps (see the module docstring).
 
-    The worker calls ``record`` after each plain step, ``flush_if_full`` before one,
-    ``before_speculative_step`` before a speculative decode step and
-    ``before_extend_step`` before a prefill or mixed step.
+    ``plain_step.run_plain_decode`` calls ``before_plain_step`` and ``record`` around
+    each plain step; the worker calls ``before_speculative_step`` before a speculative
+    decode step and ``before_extend_step`` before a prefill or mixed step.
     """
 
     def __init__(self, spec_worker, capacity: int, metrics=None):
@@ -235,21 +235,23 @@ class DraftCatchUp:
     def _pool_indices(batch: ScheduleBatch) -> List[int]:
         return [compat.request_pool_index(req) for req in batch.reqs]
 
-    def record(self, batch: ScheduleBatch, plain_batch: ScheduleBatch, aux_hidden) -> None:
+    def before_plain_step(self, batch: ScheduleBatch) -> List[int]:
+        """If some request's log is full, catch every gap of the batch up. Returns the
+        batch's request slots, for ``record``."""
+        pool_indices = self._pool_indices(batch)
+        if self.log.is_full(pool_indices):
+            self._catch_up_decode_batch(batch, pool_indices, "buffer_full")
+        return pool_indices
+
+    def record(self, pool_indices: List[int], batch: ScheduleBatch, plain_batch: ScheduleBatch,
+               aux_hidden) -> None:
         """Log the positions a plain step just decoded (``aux_hidden`` ``[bs, 3H]``)."""
         if aux_hidden is None:
             raise RuntimeError(
                 "the plain decode step returned no hidden states; the draft catch-up needs "
                 "the target's auxiliary hidden states (FULL capture)"
             )
-        self.log.record(self._pool_indices(batch), batch.req_pool_indices,
-                        plain_batch.input_ids, aux_hidden)
-
-    def flush_if_full(self, batch: ScheduleBatch) -> None:
-        """Before a plain step: if some request's log is full, catch every gap up."""
-        pool_indices = self._pool_indices(batch)
-        if self.log.is_full(pool_indices):
-            self._catch_up_decode_batch(batch, pool_indices, "buffer_full")
+        self.log.record(pool_indices, batch.req_pool_indices, plain_batch.input_ids, aux_hidden)
 
     def before_speculative_step(self, batch: ScheduleBatch) -> None:
         """Resume: replay the gaps and hand the speculative step fresh draft state."""

@@ -467,6 +467,13 @@ class DeviceTimer:
             return cls(event, 0.0)
         return cls(None, time.perf_counter())
 
+    @classmethod
+    def marker(cls, device) -> "DeviceTimer":
+        """Completes (``seconds()`` is not None) once the work queued so far has run."""
+        timer = cls.start(device)
+        timer.stop()
+        return timer
+
     def stop(self) -> None:
         import time
 

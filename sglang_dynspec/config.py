@@ -166,6 +166,13 @@ def catch_up_tokens_from_environ(environ: Mapping[str, str] = os.environ) -> int
     return value
 
 
+def check_plugin_settings(environ: Mapping[str, str] = os.environ) -> None:
+    """Read every plugin setting once; raise ConfigError naming the first bad one."""
+    thresholds_from_environ(environ)
+    catch_up_tokens_from_environ(environ)
+    env_bool(PLAIN_CUDA_GRAPH_ENV, True, environ)
+
+
 # Settings of SGLang that the plugin does not support yet. Each entry is
 # (attribute, predicate on its value, the flag a user sets, why).
 _UNSUPPORTED = (

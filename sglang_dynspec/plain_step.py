@@ -28,9 +28,11 @@ def run_plain_decode(worker, batch, on_publish=None, grammar_barrier=None, plain
                      catch_up=None):
     """Run the target's plain decode for ``batch`` and return a spec-shaped result.
 
-    With ``catch_up`` (a ``catch_up.DraftCatchUp``), the forward also captures the
-    target's auxiliary hidden states, which are logged for the draft's catch-up.
+    With ``catch_up`` (a ``catch_up.DraftCatchUp``), a full catch-up log is replayed
+    first, and the forward also captures the target's auxiliary hidden states, which
+    are logged for the draft's catch-up.
     """
+    pool_indices = catch_up.before_plain_step(batch) if catch_up is not None else None
     plain = build_plain_decode_batch(batch, worker.req_to_token_pool.req_to_token)
     if batch.has_grammar and grammar_barrier is not None:
         grammar_barrier()
@@ -38,7 +40,7 @@ def run_plain_decode(worker, batch, on_publish=None, grammar_barrier=None, plain
     with compat.plain_decode_graphs(model_runner, plain_graph):
         out = compat.run_target_decode(worker.target_worker, plain, capture_hidden=catch_up is not None)
     if catch_up is not None:
-        catch_up.record(batch, plain, out.logits_output.hidden_states)
+        catch_up.record(pool_indices, batch, plain, out.logits_output.hidden_states)
     if on_publish is not None:
         on_publish(plain.seq_lens)
     return compat.finish_plain_result(out, plain, batch.spec_info)

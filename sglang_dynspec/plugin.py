@@ -120,9 +120,7 @@ def validate_server_args(server_args) -> None:
             f"sglang-dynspec cannot run on the installed SGLang {compat.SGLANG_VERSION}: "
             f"it lacks {', '.join(missing)}. Supported: sglang>=0.5.17,<0.6."
         )
-    config.thresholds_from_environ()  # raises ConfigError naming the flag
-    config.catch_up_tokens_from_environ()
-    config.env_bool(config.PLAIN_CUDA_GRAPH_ENV, True)
+    config.check_plugin_settings()  # raises ConfigError naming the flag
     reason = config.unsupported_reason(server_args)
     if reason:
         raise config.ConfigError(reason)
@@ -142,9 +140,7 @@ def worker_factory(server_args):
     """SGLang's worker factory for EAGLE3_DYNAMIC (runs in each scheduler process)."""
     # The settings are read again here, from this process's environment: raise now,
     # before the worker loads a draft model, if they differ from what was validated.
-    config.thresholds_from_environ()
-    config.catch_up_tokens_from_environ()
-    config.env_bool(config.PLAIN_CUDA_GRAPH_ENV, True)
+    config.check_plugin_settings()
     from sglang_dynspec.worker import DynamicEagleWorker
 
     return DynamicEagleWorker

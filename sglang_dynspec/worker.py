@@ -94,8 +94,6 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
             policy = self.switch_policy
             mode = policy.decide(compat.decode_batch_size(batch))
             if mode is Mode.PLAIN:
-                if catch_up is not None:
-                    catch_up.flush_if_full(batch)
                 out = run_plain_decode(self, batch, on_publish, grammar_barrier, self.plain_graph,
                                        catch_up)
                 self._last_step_plain = True
@@ -113,9 +111,9 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
         )
         if self._resumed and decode_step:
             self._resumed = False
-            marker = compat.DeviceTimer.start(self.device)
-            marker.stop()
-            self.mode_metrics.watch_first_step_after_resume(out.accept_lens, marker)
+            self.mode_metrics.watch_first_step_after_resume(
+                out.accept_lens, compat.DeviceTimer.marker(self.device)
+            )
         return out
 
     def _war_barrier_runner(self):
