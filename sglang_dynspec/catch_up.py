@@ -35,13 +35,18 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
 
 import torch
 
 from sglang_dynspec import compat
-from sglang_dynspec.compat import ForwardMode, ScheduleBatch, slice_sampling_info
+from sglang_dynspec.compat import ForwardMode, ScheduleBatch
+from sglang_dynspec.device_timer import DeviceTimer
+
+# Reports a queued catch-up: (reason, requests, tokens, timer) -> None
+# (``controller.ModeController.on_catch_up``).
+CatchUpReport = Callable[[str, int, int, DeviceTimer], None]
 
 
 def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
@@ -62,10 +67,10 @@ def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
 class GapRows:
     """The requests of one batch that have a gap, in batch order (host values)."""
 
-    rows: List[int]  # row of each request in the batch
-    pool_indices: List[int]  # its req_to_token row
-    gaps: List[int]  # positions decoded plain since its draft state was current
-    committed_lens: List[int]  # its KV-committed length L (gap = [L - gap, L))
+    rows: list[int]  # row of each request in the batch
+    pool_indices: list[int]  # its req_to_token row
+    gaps: list[int]  # positions decoded plain since its draft state was current
+    committed_lens: list[int]  # its KV-committed length L (gap = [L - gap, L))
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -74,7 +79,7 @@ class GapRows:
     def num_tokens(self) -> int:
         return sum(self.gaps)
 
-    def token_slots(self) -> List[int]:
+    def token_slots(self) -> list[int]:
         """The ``req_to_token`` row of each replayed position, request after request."""
         return list(itertools.chain.from_iterable([i] * g for i, g in zip(self.pool_indices, self.gaps)))
 
@@ -121,7 +126,7 @@ class PlainGapLog:
         self.tokens[idx, col] = tokens.to(torch.int64)
         self._fill[idx] = col + 1
 
-    def forget(self, pool_indices: Sequence[int], pool_indices_device: Optional[torch.Tensor] = None) -> None:
+    def forget(self, pool_indices: Sequence[int], pool_indices_device: torch.Tensor | None = None) -> None:
         """Empty the logs of these slots (caught up, or freshly prefilled).
 
         ``pool_indices_device``: the same indices already on the device (a batch's
@@ -174,8 +179,6 @@ def build_catch_up_batch(batch: ScheduleBatch, gap_rows: GapRows, tokens: torch.
     ext.forward_mode = ForwardMode.EXTEND
     ext.reqs = [batch.reqs[r] for r in gap_rows.rows]
     ext.req_pool_indices = to_device(gap_rows.pool_indices, batch.req_pool_indices.dtype, device)
-    if getattr(batch, "req_pool_indices_cpu", None) is not None:
-        ext.req_pool_indices_cpu = torch.tensor(gap_rows.pool_indices, dtype=torch.int64)
     ext.input_ids = tokens
     positions = to_device(
         list(itertools.chain.from_iterable(range(p, L) for p, L in zip(prefix, gap_rows.committed_lens))),
@@ -186,10 +189,6 @@ def build_catch_up_batch(batch: ScheduleBatch, gap_rows: GapRows, tokens: torch.
     ext.seq_lens_cpu = torch.tensor(gap_rows.committed_lens, dtype=torch.int64)
     ext.seq_lens = to_device(gap_rows.committed_lens, batch.seq_lens.dtype, device)
     ext.seq_lens_sum = int(sum(gap_rows.committed_lens))
-    if hasattr(batch, "orig_seq_lens"):
-        ext.orig_seq_lens = ext.seq_lens.to(torch.int32)
-    if hasattr(batch, "max_seq_len_host"):
-        ext.max_seq_len_host = max(gap_rows.committed_lens)
     ext.prefix_lens = prefix
     ext.extend_lens = list(gap_rows.gaps)
     ext.extend_num_tokens = gap_rows.num_tokens
@@ -203,13 +202,76 @@ def build_catch_up_batch(batch: ScheduleBatch, gap_rows: GapRows, tokens: torch.
     ext.spec_info = None
     ext.decoding_reqs = None
     ext.chunked_req = None
-    if hasattr(batch, "chunked_req_next_prompt_token"):
-        ext.chunked_req_next_prompt_token = None
     ext.has_grammar = False
     ext.is_extend_in_batch = True
     ext.can_run_decode_cuda_graph = False
     ext.sampling_info = slice_sampling_info(batch.sampling_info, rows)
+    # Fields some SGLang versions lack (compat.OPTIONAL_BATCH_FIELDS).
+    compat.set_optional_batch_fields(
+        ext,
+        req_pool_indices_cpu=torch.tensor(gap_rows.pool_indices, dtype=torch.int64),
+        orig_seq_lens=ext.seq_lens.to(torch.int32),
+        chunked_req_next_prompt_token=None,
+    )
     return ext
+
+
+_SAMPLING_ROW_FIELDS = ("temperatures", "top_ps", "top_ks", "min_ps", "sampling_seed")
+
+
+def slice_sampling_info(sampling_info, rows: torch.Tensor):
+    """A shallow copy of ``sampling_info`` keeping ``rows`` of its per-request tensors.
+
+    Only what the draft's proposal step reads (temperatures and seeds, under
+    rejection sampling) has to be right; penalties, biases and grammar masks apply
+    to the target's sampling, which the catch-up does not run.
+    """
+    if sampling_info is None:
+        return None
+    sliced = copy.copy(sampling_info)
+    for name in _SAMPLING_ROW_FIELDS:
+        value = getattr(sampling_info, name, None)
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            setattr(sliced, name, value[rows])
+    sliced.grammars = None
+    return sliced
+
+
+_DRAFT_STATE_FIELDS = ("topk_p", "topk_index", "hidden_states", "draft_probs")
+
+
+def with_draft_state_rows(draft_input, rows: torch.Tensor, fresh) -> None:
+    """Point ``draft_input``'s draft state at new tensors whose ``rows`` come from ``fresh``.
+
+    Out of place: the old tensors may be rows gathered from the overlap scheduler's
+    FutureMap or shared with a previous result. Only ``draft_input``'s attributes
+    are rebound (it is this step's object), never a tensor written.
+    """
+    for name in _DRAFT_STATE_FIELDS:
+        old, new = getattr(draft_input, name, None), getattr(fresh, name, None)
+        if old is None or new is None:
+            continue
+        setattr(draft_input, name, old.index_copy(0, rows, new.to(old.dtype)))
+
+
+class NoCatchUp:
+    """The catch-up turned off (``--speculative-catch-up-tokens 0``): the draft resumes
+    from the state the last speculative step left."""
+
+    enabled = False
+    nbytes = 0
+
+    def before_plain_step(self, batch: ScheduleBatch) -> None:
+        return None
+
+    def record(self, pool_indices, batch, plain_batch, aux_hidden) -> None:
+        pass
+
+    def before_speculative_step(self, batch: ScheduleBatch) -> None:
+        pass
+
+    def before_extend_step(self, batch: ScheduleBatch) -> None:
+        pass
 
 
 class DraftCatchUp:
@@ -217,12 +279,15 @@ class DraftCatchUp:
 
     ``plain_step.run_plain_decode`` calls ``before_plain_step`` and ``record`` around
     each plain step; the worker calls ``before_speculative_step`` before a speculative
-    decode step and ``before_extend_step`` before a prefill or mixed step.
+    decode step and ``before_extend_step`` before a prefill or mixed step. Each
+    catch-up is reported to ``report`` with a device timer.
     """
 
-    def __init__(self, spec_worker, capacity: int, metrics=None):
+    enabled = True
+
+    def __init__(self, spec_worker, capacity: int, report: CatchUpReport):
         self.worker = spec_worker
-        self.metrics = metrics
+        self.report = report
         self.log = PlainGapLog(
             pool_size=compat.request_pool_size(spec_worker),
             capacity=capacity,
@@ -231,11 +296,15 @@ class DraftCatchUp:
             device=spec_worker.device,
         )
 
+    @property
+    def nbytes(self) -> int:
+        return self.log.nbytes
+
     @staticmethod
-    def _pool_indices(batch: ScheduleBatch) -> List[int]:
+    def _pool_indices(batch: ScheduleBatch) -> list[int]:
         return [compat.request_pool_index(req) for req in batch.reqs]
 
-    def before_plain_step(self, batch: ScheduleBatch) -> List[int]:
+    def before_plain_step(self, batch: ScheduleBatch) -> list[int]:
         """If some request's log is full, catch every gap of the batch up. Returns the
         batch's request slots, for ``record``."""
         pool_indices = self._pool_indices(batch)
@@ -243,7 +312,7 @@ class DraftCatchUp:
             self._catch_up_decode_batch(batch, pool_indices, "buffer_full")
         return pool_indices
 
-    def record(self, pool_indices: List[int], batch: ScheduleBatch, plain_batch: ScheduleBatch,
+    def record(self, pool_indices: list[int], batch: ScheduleBatch, plain_batch: ScheduleBatch,
                aux_hidden) -> None:
         """Log the positions a plain step just decoded (``aux_hidden`` ``[bs, 3H]``)."""
         if aux_hidden is None:
@@ -283,7 +352,7 @@ class DraftCatchUp:
         # drafted by this step, so later plain positions would not continue the gap.
         self.log.forget(pool_indices, batch.req_pool_indices)
 
-    def _catch_up_decode_batch(self, batch: ScheduleBatch, pool_indices: List[int], reason: str) -> None:
+    def _catch_up_decode_batch(self, batch: ScheduleBatch, pool_indices: list[int], reason: str) -> None:
         def committed_lens():
             # The host mirror is exact when present; otherwise (backends that opt out
             # of it, e.g. FA3 under overlap) one device sync per catch-up.
@@ -297,17 +366,16 @@ class DraftCatchUp:
         rows = to_device(gap_rows.rows, torch.int64, batch.seq_lens.device)
         fresh = self._catch_up(batch, gap_rows, compat.pending_tokens(draft_input)[rows], reason)
         if reason == "resume":
-            compat.with_draft_state_rows(draft_input, rows, fresh)
+            with_draft_state_rows(draft_input, rows, fresh)
         # buffer_full: the fresh state is dropped; the plain step that follows starts a
         # new gap, and its catch-up at resume produces the state the draft needs.
 
     def _catch_up(self, batch: ScheduleBatch, gap_rows: GapRows, tails: torch.Tensor, reason: str):
-        timer = compat.DeviceTimer.start(self.worker.device)
+        timer = DeviceTimer.start(self.worker.device)
         hidden, tokens = self.log.gather(gap_rows)
         ext = build_catch_up_batch(batch, gap_rows, tokens, self.worker.req_to_token_pool.req_to_token)
         fresh = compat.run_draft_extend(self.worker, ext, hidden, tails)
         self.log.forget(gap_rows.pool_indices)
         timer.stop()
-        if self.metrics is not None:
-            self.metrics.on_catch_up(reason, len(gap_rows), gap_rows.num_tokens, timer)
+        self.report(reason, len(gap_rows), gap_rows.num_tokens, timer)
         return fresh

@@ -19,10 +19,11 @@ steps between two switches.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any
 
-from sglang_dynspec.policy import SwitchThresholds
+from sglang_dynspec.policy import ModePolicy, SwitchThresholds, ThresholdPolicy
 
 ALGORITHM_NAME = "EAGLE3_DYNAMIC"
 
@@ -89,7 +90,7 @@ CATCH_UP_TOKENS = Flag(
 FLAGS = (DISABLE_THRESHOLD, ENABLE_THRESHOLD, MIN_DWELL, CATCH_UP_TOKENS)
 
 
-def _read_non_negative_int(flag: Flag, environ: Mapping[str, str]) -> Optional[int]:
+def _read_non_negative_int(flag: Flag, environ: Mapping[str, str]) -> int | None:
     raw = environ.get(flag.env)
     if raw is None or raw.strip() == "":
         return None
@@ -166,11 +167,27 @@ def catch_up_tokens_from_environ(environ: Mapping[str, str] = os.environ) -> int
     return value
 
 
-def check_plugin_settings(environ: Mapping[str, str] = os.environ) -> None:
-    """Read every plugin setting once; raise ConfigError naming the first bad one."""
-    thresholds_from_environ(environ)
-    catch_up_tokens_from_environ(environ)
-    env_bool(PLAIN_CUDA_GRAPH_ENV, True, environ)
+@dataclass(frozen=True)
+class Settings:
+    """Every plugin setting of one process, validated."""
+
+    thresholds: SwitchThresholds
+    catch_up_tokens: int  # 0: no draft catch-up
+    plain_cuda_graph: bool  # False: plain steps run eagerly (saves the graph's memory)
+
+
+def settings_from_environ(environ: Mapping[str, str] = os.environ) -> Settings:
+    """Read every plugin setting; raise ConfigError naming the first bad one."""
+    return Settings(
+        thresholds=thresholds_from_environ(environ),
+        catch_up_tokens=catch_up_tokens_from_environ(environ),
+        plain_cuda_graph=env_bool(PLAIN_CUDA_GRAPH_ENV, True, environ),
+    )
+
+
+def build_policy(settings: Settings) -> ModePolicy:
+    """The mode policy the settings ask for."""
+    return ThresholdPolicy(settings.thresholds)
 
 
 # Settings of SGLang that the plugin does not support yet. Each entry is
@@ -227,7 +244,7 @@ _UNSUPPORTED = (
 )
 
 
-def unsupported_reason(server_args: Any) -> Optional[str]:
+def unsupported_reason(server_args: Any) -> str | None:
     """Why this SGLang configuration cannot run EAGLE3_DYNAMIC, or None.
 
     Reads attributes only (works on ServerArgs, its resolving view, or a stub).
@@ -242,7 +259,7 @@ def unsupported_reason(server_args: Any) -> Optional[str]:
     return None
 
 
-def draft_architecture_error(draft_path: Optional[str], architectures: Optional[list]) -> Optional[str]:
+def draft_architecture_error(draft_path: str | None, architectures: list | None) -> str | None:
     """Check that the draft is an EAGLE-3 model; return an error message or None."""
     if not draft_path:
         return (

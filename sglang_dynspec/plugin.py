@@ -54,8 +54,10 @@ def register() -> None:
         )
         return
 
+    from sglang_dynspec import spec_class
+
     compat.register_cli_args_hook(add_cli_flags)
-    compat.register_algorithm(
+    spec_class.register_algorithm(
         config.ALGORITHM_NAME,
         validate_server_args=validate_server_args,
         worker_factory=worker_factory,
@@ -118,9 +120,9 @@ def validate_server_args(server_args) -> None:
     if missing:
         raise RuntimeError(
             f"sglang-dynspec cannot run on the installed SGLang {compat.SGLANG_VERSION}: "
-            f"it lacks {', '.join(missing)}. Supported: sglang>=0.5.17,<0.6."
+            f"it lacks {', '.join(missing)}. Supported: {compat.SUPPORTED_SGLANG}."
         )
-    config.check_plugin_settings()  # raises ConfigError naming the flag
+    config.settings_from_environ()  # raises ConfigError naming the flag
     reason = config.unsupported_reason(server_args)
     if reason:
         raise config.ConfigError(reason)
@@ -140,7 +142,7 @@ def worker_factory(server_args):
     """SGLang's worker factory for EAGLE3_DYNAMIC (runs in each scheduler process)."""
     # The settings are read again here, from this process's environment: raise now,
     # before the worker loads a draft model, if they differ from what was validated.
-    config.check_plugin_settings()
+    config.settings_from_environ()
     from sglang_dynspec.worker import DynamicEagleWorker
 
     return DynamicEagleWorker

@@ -1,11 +1,12 @@
-"""When to speculate: a hysteresis switch on the running decode batch size.
+"""When to speculate: the policy interface and the threshold policy.
 
 Pure Python on purpose (no torch, no SGLang) so it can be tested exhaustively and
 so every tensor-parallel rank, fed the same replicated inputs, takes the same
-decision. Its only input is the decode batch size, which is identical on every TP
-rank; it never reads clocks, memory or anything rank-local (a rank that decided
-differently would deadlock the next collective).
+decision. A policy's inputs must be identical on every TP rank (the decode batch
+size is); it never reads clocks, memory or anything rank-local, because a rank that
+decided differently would deadlock the next collective.
 
+``ThresholdPolicy`` is a hysteresis switch on the running decode batch size.
 Rules, evaluated once per decode step, before the step runs:
 
 * speculating, ``batch_size > disable_above`` and the dwell allows -> plain decode;
@@ -21,6 +22,7 @@ thresholds plus the dwell are what this module adds.
 
 from __future__ import annotations
 
+import abc
 import enum
 from dataclasses import dataclass
 
@@ -33,8 +35,37 @@ class Mode(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class Switch:
+    """A mode change, reported once, at the step where it takes effect."""
+
+    step: int  # decode step index (0-based) that runs in the new mode
+    batch_size: int
+    old: Mode
+    new: Mode
+
+
+class ModePolicy(abc.ABC):
+    """Decides the mode of each decode step.
+
+    The controller calls :meth:`decide` exactly once per decode step, before it runs.
+    Prefill and mixed steps do not count: they take SGLang's own path in either mode.
+    A policy starts in ``Mode.SPEC``.
+    """
+
+    mode: Mode = Mode.SPEC
+
+    @abc.abstractmethod
+    def decide(self, batch_size: int) -> Mode:
+        """Return the mode of this decode step (and remember it as ``self.mode``)."""
+
+    @abc.abstractmethod
+    def describe(self) -> str:
+        """One line for the start-up log: what the policy does with its settings."""
+
+
+@dataclass(frozen=True)
 class SwitchThresholds:
-    """The three knobs, already validated (see ``sglang_dynspec.config``)."""
+    """The threshold policy's three knobs, already validated (see ``config``)."""
 
     disable_above: int  # N: plain while the decode batch exceeds N
     enable_at_or_below: int  # M < N: speculate again at or below M
@@ -50,34 +81,16 @@ class SwitchThresholds:
             )
 
 
-@dataclass(frozen=True)
-class Switch:
-    """A mode change, reported once, at the step where it takes effect."""
-
-    step: int  # decode step index (0-based) that runs in the new mode
-    batch_size: int
-    old: Mode
-    new: Mode
-
-
-class SwitchPolicy:
-    """Decides the mode of each decode step; remembers only counters.
-
-    Call :meth:`decide` exactly once per decode step. Prefill and mixed steps do
-    not count: they take SGLang's own path in either mode.
-    """
+class ThresholdPolicy(ModePolicy):
+    """Hysteresis on the decode batch size with a minimum dwell (module docstring)."""
 
     def __init__(self, thresholds: SwitchThresholds, initial: Mode = Mode.SPEC):
         self.thresholds = thresholds
         self.mode = initial
-        self.decode_steps = 0
-        self.steps = {Mode.SPEC: 0, Mode.PLAIN: 0}
-        self.switches = {Mode.SPEC: 0, Mode.PLAIN: 0}  # keyed by the mode switched TO
         # Steps since the last switch. Starts "long ago" so the very first decode
         # step may already switch: the dwell protects against flapping, and there
         # is nothing to flap from yet.
         self._since_switch = thresholds.min_dwell_steps
-        self.last_switch: Switch | None = None
 
     def wanted_mode(self, batch_size: int) -> Mode:
         """The mode the thresholds ask for, ignoring the dwell."""
@@ -89,17 +102,18 @@ class SwitchPolicy:
         return self.mode
 
     def decide(self, batch_size: int) -> Mode:
-        """Return the mode for this decode step and account for it."""
         if batch_size < 0:
             raise ValueError(f"batch_size must be >= 0, got {batch_size}")
-        self.last_switch = None
         wanted = self.wanted_mode(batch_size)
         if wanted is not self.mode and self._since_switch >= self.thresholds.min_dwell_steps:
-            self.last_switch = Switch(self.decode_steps, batch_size, self.mode, wanted)
-            self.switches[wanted] += 1
             self.mode = wanted
             self._since_switch = 0
         self._since_switch += 1
-        self.steps[self.mode] += 1
-        self.decode_steps += 1
         return self.mode
+
+    def describe(self) -> str:
+        t = self.thresholds
+        return (
+            f"plain decode above {t.disable_above} running requests, EAGLE-3 again at or "
+            f"below {t.enable_at_or_below}, at least {t.min_dwell_steps} decode steps between switches"
+        )

@@ -13,28 +13,30 @@ import pytest
 import torch
 
 from sglang_dynspec import compat
+from sglang_dynspec.plain_graph import PlainDecodeGraph, plain_decode_graphs
+from sglang_dynspec.plain_step import finish_plain_result
 
 
 def fake_runner():
     return types.SimpleNamespace(decode_cuda_graph_runner="verify-graph", attn_backend="verify-backend",
-                                 **{compat._READ_DONE_EVENT: "stale-event-from-a-verify-replay"})
+                                 **{compat.READ_DONE_EVENT: "stale-event-from-a-verify-replay"})
 
 
 def test_graph_swap_uses_the_plain_graph_and_restores_on_error():
     runner = fake_runner()
-    plain = compat.PlainDecodeGraph(runner="plain-graph", attn_backend="plain-backend", memory_bytes=0)
+    plain = PlainDecodeGraph(runner="plain-graph", attn_backend="plain-backend", memory_bytes=0)
     with pytest.raises(RuntimeError):
-        with compat.plain_decode_graphs(runner, plain):
+        with plain_decode_graphs(runner, plain):
             assert (runner.decode_cuda_graph_runner, runner.attn_backend) == ("plain-graph", "plain-backend")
             # a stale read-done event would let the WAR barrier pass too early
-            assert getattr(runner, compat._READ_DONE_EVENT) is None
+            assert getattr(runner, compat.READ_DONE_EVENT) is None
             raise RuntimeError("forward failed")
     assert (runner.decode_cuda_graph_runner, runner.attn_backend) == ("verify-graph", "verify-backend")
 
 
 def test_without_a_plain_graph_the_forward_runs_eagerly():
     runner = fake_runner()
-    with compat.plain_decode_graphs(runner, None):
+    with plain_decode_graphs(runner, None):
         assert runner.decode_cuda_graph_runner is None and runner.attn_backend == "verify-backend"
     assert runner.decode_cuda_graph_runner == "verify-graph"
 
@@ -55,7 +57,7 @@ def test_plain_result_is_spec_shaped_and_carries_the_draft_state():
                                             next_token_logprobs=torch.rand(bs)),
         next_token_ids=torch.tensor([8, 9, 10]),
     )
-    result = compat.finish_plain_result(out, plain, previous)
+    result = finish_plain_result(out, plain, previous)
     assert result.accept_lens.dtype == torch.int32 and result.accept_lens.tolist() == [1, 1, 1]
     assert result.speculative_num_draft_tokens == 1
     assert result.new_seq_lens is plain.seq_lens

@@ -1,6 +1,7 @@
-"""The switch policy: unit tests and a Hypothesis state machine over batch-size sequences.
+"""The threshold policy: unit tests and a Hypothesis state machine over batch-size sequences,
+driven through the controller that owns it in the worker.
 
-The policy is pure Python, so these run without SGLang or torch.
+Pure Python, so these run without SGLang or torch.
 """
 
 from __future__ import annotations
@@ -10,36 +11,59 @@ from hypothesis import event, note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from sglang_dynspec.policy import Mode, SwitchPolicy, SwitchThresholds
+from sglang_dynspec.controller import ModeController
+from sglang_dynspec.policy import Mode, ThresholdPolicy, SwitchThresholds
 
 
-def run(policy: SwitchPolicy, sizes) -> list[Mode]:
-    return [policy.decide(bs) for bs in sizes]
+def run(controller: ModeController, sizes) -> list[Mode]:
+    modes = []
+    for bs in sizes:
+        mode = controller.before_decode(bs)
+        controller.after_decode(mode)
+        modes.append(mode)
+    return modes
+
+
+def controller(n, m, k) -> ModeController:
+    return ModeController(ThresholdPolicy(SwitchThresholds(n, m, k)))
 
 
 def test_switches_off_above_n_and_back_at_m():
-    p = SwitchPolicy(SwitchThresholds(disable_above=4, enable_at_or_below=2, min_dwell_steps=0))
-    modes = run(p, [1, 4, 5, 5, 3, 4, 2, 1])
+    c = controller(4, 2, 0)
+    modes = run(c, [1, 4, 5, 5, 3, 4, 2, 1])
     S, P = Mode.SPEC, Mode.PLAIN
     assert modes == [S, S, P, P, P, P, S, S]
-    assert p.switches == {Mode.PLAIN: 1, Mode.SPEC: 1}
-    assert p.steps == {Mode.SPEC: 4, Mode.PLAIN: 4}
+    assert c.stats.switches == {Mode.PLAIN: 1, Mode.SPEC: 1}
+    assert c.stats.decode_steps == {Mode.SPEC: 4, Mode.PLAIN: 4}
 
 
 def test_dwell_delays_a_switch_but_does_not_cancel_it():
-    p = SwitchPolicy(SwitchThresholds(disable_above=4, enable_at_or_below=2, min_dwell_steps=3))
-    modes = run(p, [9, 1, 1, 1, 1])
+    modes = run(controller(4, 2, 3), [9, 1, 1, 1, 1])
     # Switches to plain at once (no earlier switch), then must stay 3 steps.
     assert modes == [Mode.PLAIN, Mode.PLAIN, Mode.PLAIN, Mode.SPEC, Mode.SPEC]
 
 
-def test_last_switch_is_reported_once():
-    p = SwitchPolicy(SwitchThresholds(1, 0, 0))
-    p.decide(5)
-    assert p.last_switch is not None and p.last_switch.new is Mode.PLAIN
-    assert p.last_switch.step == 0 and p.last_switch.batch_size == 5
-    p.decide(5)
-    assert p.last_switch is None
+def test_each_switch_is_reported_once_at_the_step_it_takes_effect():
+    from sglang_dynspec.telemetry import TelemetrySink
+
+    class Recorder(TelemetrySink):
+        def __init__(self):
+            self.switches = []
+
+        def on_switch(self, switch, steps_before):
+            self.switches.append((switch, dict(steps_before)))
+
+    rec = Recorder()
+    c = ModeController(ThresholdPolicy(SwitchThresholds(1, 0, 0)), [rec])
+    run(c, [1, 5, 5, 0])
+    assert [(s.step, s.batch_size, s.old, s.new) for s, _ in rec.switches] == [
+        (1, 5, Mode.SPEC, Mode.PLAIN),
+        (3, 0, Mode.PLAIN, Mode.SPEC),
+    ]
+    assert [before for _, before in rec.switches] == [
+        {Mode.SPEC: 1, Mode.PLAIN: 0},
+        {Mode.SPEC: 1, Mode.PLAIN: 2},
+    ]
 
 
 @pytest.mark.parametrize(
@@ -53,7 +77,7 @@ def test_thresholds_reject_bad_values(n, m, k):
 
 def test_negative_batch_size_is_rejected():
     with pytest.raises(ValueError):
-        SwitchPolicy(SwitchThresholds(4, 2, 0)).decide(-1)
+        ThresholdPolicy(SwitchThresholds(4, 2, 0)).decide(-1)
 
 
 # ------------------------------------------------------------------- state machine
@@ -75,8 +99,8 @@ class SwitchingMachine(RuleBasedStateMachine):
     def setup(self, n, gap, k):
         self.t = SwitchThresholds(n, max(0, n - gap), k)
         note(f"thresholds {self.t}")
-        self.policy = SwitchPolicy(self.t)
-        self.twin = SwitchPolicy(self.t)
+        self.controller = ModeController(ThresholdPolicy(self.t))
+        self.twin = ThresholdPolicy(self.t)
         self.modes: list[Mode] = []
         self.switch_steps: list[int] = []
         self.prev_mode = Mode.SPEC
@@ -86,7 +110,8 @@ class SwitchingMachine(RuleBasedStateMachine):
             len(self.modes) - self.switch_steps[-1] if self.switch_steps else None
         )
         dwell_allows = steps_since_switch is None or steps_since_switch >= self.t.min_dwell_steps
-        mode = self.policy.decide(bs)
+        mode = self.controller.before_decode(bs)
+        self.controller.after_decode(mode)
         assert self.twin.decide(bs) is mode, "two policies fed the same sizes disagreed"
         note(f"step {len(self.modes)}: batch {bs} -> {mode.value}")
 
@@ -118,14 +143,14 @@ class SwitchingMachine(RuleBasedStateMachine):
 
     @invariant()
     def counters_match_returned_modes(self):
-        if not hasattr(self, "policy"):
+        if not hasattr(self, "controller"):
             return
-        p = self.policy
-        assert p.decode_steps == len(self.modes)
-        assert p.steps[Mode.SPEC] == self.modes.count(Mode.SPEC)
-        assert p.steps[Mode.PLAIN] == self.modes.count(Mode.PLAIN)
-        assert sum(p.switches.values()) == len(self.switch_steps)
-        assert p.mode is self.prev_mode
+        stats = self.controller.stats
+        assert stats.total_decode_steps == len(self.modes)
+        assert stats.decode_steps[Mode.SPEC] == self.modes.count(Mode.SPEC)
+        assert stats.decode_steps[Mode.PLAIN] == self.modes.count(Mode.PLAIN)
+        assert sum(stats.switches.values()) == len(self.switch_steps)
+        assert self.controller.policy.mode is self.prev_mode
 
 
 SwitchingMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)

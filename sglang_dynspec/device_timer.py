@@ -1,0 +1,101 @@
+"""Device time of queued work, read without making the host wait.
+
+The scheduler's host thread runs ahead of the device (under the overlap scheduler by
+a whole step); a ``synchronize`` or a blocking read on the hot path would drain that
+pipeline. So device work is bracketed by CUDA events, and its time is read by
+polling: :class:`DeferredReadings` calls each callback once its timer has completed.
+Plain torch; no SGLang.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+
+class DeviceTimer:
+    """Wall time of work queued on the current device stream, read without a sync.
+
+    On CUDA two events bracket the work and ``seconds()`` returns None until the
+    second has completed; elsewhere the work ran synchronously and host time is it.
+    """
+
+    def __init__(self, start_event, start_time: float):
+        self._start, self._end = start_event, None
+        self._t0, self._t1 = start_time, None
+
+    @classmethod
+    def start(cls, device) -> DeviceTimer:
+        if torch.device(device).type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return cls(event, 0.0)
+        return cls(None, time.perf_counter())
+
+    @classmethod
+    def marker(cls, device) -> DeviceTimer:
+        """Completes (``seconds()`` is not None) once the work queued so far has run."""
+        timer = cls.start(device)
+        timer.stop()
+        return timer
+
+    def stop(self) -> None:
+        if self._start is not None:
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._end.record()
+        else:
+            self._t1 = time.perf_counter()
+
+    def seconds(self) -> float | None:
+        if self._start is None:
+            return None if self._t1 is None else self._t1 - self._t0
+        if self._end is None or not self._end.query():
+            return None
+        return self._start.elapsed_time(self._end) / 1000.0
+
+
+class DeferredReadings:
+    """Callbacks to run once their device work has completed, in the order queued.
+
+    ``timer`` is anything with ``seconds() -> float | None`` (a :class:`DeviceTimer`).
+    """
+
+    def __init__(self):
+        self._pending: list[tuple[DeviceTimer, Callable[[float], None]]] = []
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, timer: DeviceTimer, on_done: Callable[[float], None]) -> None:
+        self._pending.append((timer, on_done))
+
+    def poll(self) -> None:
+        """Run the callbacks of completed work (each exactly once); never waits."""
+        if not self._pending:
+            return
+        still = []
+        for timer, on_done in self._pending:
+            seconds = timer.seconds()
+            if seconds is None:
+                still.append((timer, on_done))
+            else:
+                on_done(seconds)
+        self._pending = still
+
+
+def read_later(values: torch.Tensor, readings: DeferredReadings, on_done: Callable[[list], None]) -> None:
+    """Call ``on_done(values.tolist())`` once the device has computed ``values``.
+
+    ``tolist()`` on a CUDA tensor waits for everything queued on the stream, later
+    steps included; here the values are copied asynchronously into pinned host memory
+    behind the work that produces them, and read once a marker queued after the copy
+    has completed.
+    """
+    if values.device.type != "cuda":
+        on_done(values.tolist())
+        return
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    readings.add(DeviceTimer.marker(values.device), lambda _seconds: on_done(host.tolist()))

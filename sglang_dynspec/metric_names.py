@@ -1,0 +1,49 @@
+"""Names, help texts and label values of the plugin's Prometheus metrics, defined once.
+
+Pure constants (no prometheus_client, no SGLang): the exporter
+(``prometheus_export``), the benchmark's scraper (``bench.scrape``), the test bed's
+fake server and the tests all import them from here. Counters are exported with a
+``_total`` suffix (``prometheus_client`` adds it); use :func:`total` for the series name.
+"""
+
+from __future__ import annotations
+
+MODE_GAUGE = "sglang:spec_dynamic_mode"
+STEPS_COUNTER = "sglang:spec_dynamic_decode_steps"
+SWITCHES_COUNTER = "sglang:spec_dynamic_switches"
+PLAIN_GRAPH_COUNTER = "sglang:spec_dynamic_plain_graph_steps"
+CATCH_UP_COUNTER = "sglang:spec_dynamic_catch_up"
+CATCH_UP_TOKENS_COUNTER = "sglang:spec_dynamic_catch_up_tokens"
+CATCH_UP_SECONDS = "sglang:spec_dynamic_catch_up_seconds"  # histogram
+RESUME_ACCEPTED_COUNTER = "sglang:spec_dynamic_resume_accepted_tokens"
+RESUME_REQUESTS_COUNTER = "sglang:spec_dynamic_resume_requests"
+
+# Label values.
+MODES = ("spec", "plain")  # label "mode" of STEPS_COUNTER, "to" of SWITCHES_COUNTER
+CATCH_UP_REASONS = ("resume", "buffer_full", "mixed")  # label "reason" of CATCH_UP_COUNTER
+
+HELP = {
+    MODE_GAUGE: "1 while EAGLE3_DYNAMIC speculates, 0 while it runs plain decode steps.",
+    STEPS_COUNTER: "Decode steps run by EAGLE3_DYNAMIC, by mode (spec or plain).",
+    SWITCHES_COUNTER: "Mode switches of EAGLE3_DYNAMIC, by the mode switched to.",
+    PLAIN_GRAPH_COUNTER: (
+        "Plain decode steps of EAGLE3_DYNAMIC that replayed its plain DECODE CUDA graph "
+        "(the rest ran eagerly: no graph captured, or a batch above its largest size)."
+    ),
+    CATCH_UP_COUNTER: (
+        "Draft catch-ups of EAGLE3_DYNAMIC (one batched draft extend over the positions "
+        "decoded plain), by reason: resume, buffer_full (in plain mode), mixed."
+    ),
+    CATCH_UP_TOKENS_COUNTER: "Positions replayed into the draft model by EAGLE3_DYNAMIC catch-ups.",
+    CATCH_UP_SECONDS: "Device time of one EAGLE3_DYNAMIC draft catch-up.",
+    RESUME_ACCEPTED_COUNTER: (
+        "Tokens accepted (bonus included) on the first speculative step after each "
+        "resume of EAGLE3_DYNAMIC, summed over its requests."
+    ),
+    RESUME_REQUESTS_COUNTER: "Requests in the first speculative step after each resume of EAGLE3_DYNAMIC.",
+}
+
+
+def total(counter: str) -> str:
+    """The exported series name of a counter (``prometheus_client`` appends ``_total``)."""
+    return counter + "_total"

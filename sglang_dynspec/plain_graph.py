@@ -1,0 +1,121 @@
+"""The plain DECODE CUDA graph of the target: capture, swap-in for one forward, memory.
+
+With speculation configured, the target's only decode graph is a TARGET_VERIFY graph
+``num_draft_tokens`` wide, and ``can_run_graph`` does not check the forward mode: a
+plain DECODE replayed on it fails with "size of tensor a (bs*ndt) must match ... (bs)"
+(``benchmarks/results/h200-20261129-plain-path-check/first-run-crash.txt``). So the
+plugin captures a second decode graph for the target, one token per request, and
+swaps it in for each plain step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from sglang_dynspec import compat
+
+logger = logging.getLogger("sglang_dynspec")
+
+
+@dataclass(frozen=True)
+class PlainDecodeGraph:
+    """A plain DECODE CUDA graph runner for the target, with its own attention backend."""
+
+    runner: object  # a DecodeCudaGraphRunner (subclass)
+    attn_backend: object
+    memory_bytes: int  # device memory the capture took
+
+    @property
+    def max_batch_size(self) -> int | None:
+        return getattr(self.runner, "max_bs", None)
+
+
+def _full_hidden_runner_class(base: type) -> type:
+    """``base`` with its hidden-state capture pinned to FULL.
+
+    A decode graph captures the hidden-state mode the server was started with
+    (``return_hidden_states_mode``, NULL unless hidden states are requested), and a
+    forward that asks for more does not replay it. The draft catch-up needs the
+    target's auxiliary hidden states from every plain step, so the plain graph must
+    produce them. BaseRunner assigns the attribute in ``__init__``; the setter
+    ignores that assignment.
+    """
+
+    def get_mode(self):
+        return compat.CaptureHiddenMode.FULL
+
+    def set_mode(self, value):
+        pass
+
+    return type(
+        "PlainDecodeCudaGraphRunner",
+        (base,),
+        {"return_hidden_states_mode": property(get_mode, set_mode), "__doc__": _full_hidden_runner_class.__doc__},
+    )
+
+
+def capture_plain_decode_graph(model_runner, capture_hidden: bool = True) -> PlainDecodeGraph | None:
+    """Capture the plain decode graph; None when the target runs without CUDA decode graphs.
+
+    Captured after the verify graph, while the model runner briefly reports no
+    speculative algorithm: that makes SGLang's own ``DecodeCudaGraphRunner`` capture
+    forward mode DECODE, one token per request, with no spec input (the construction
+    SGLang's ``--speculative-adaptive`` uses for its extra verify graphs). The
+    attention backend is new because capturing initialises the backend's graph
+    state, which would otherwise clobber the verify graph's buffers.
+    ``capture_hidden``: the graph also outputs the packed auxiliary hidden states
+    (needed by the draft catch-up).
+    """
+    if not torch.cuda.is_available() or not isinstance(
+        model_runner.decode_cuda_graph_runner, compat.DecodeCudaGraphRunner
+    ):
+        # Graphs disabled, or another device's graph runner (CPU graphs, NPU...):
+        # plain steps run eagerly.
+        return None
+    free_before = torch.cuda.mem_get_info()[0]
+    attn_backend = compat.new_attention_backend(model_runner)
+    runner_cls = (
+        _full_hidden_runner_class(compat.DecodeCudaGraphRunner) if capture_hidden else compat.DecodeCudaGraphRunner
+    )
+    saved_algorithm = model_runner.spec_algorithm
+    model_runner.spec_algorithm = compat.SpeculativeAlgorithm.NONE
+    try:
+        runner = runner_cls(model_runner, attn_backend=attn_backend)  # captures
+    finally:
+        model_runner.spec_algorithm = saved_algorithm
+    free_after = torch.cuda.mem_get_info()[0]
+    graph = PlainDecodeGraph(runner, attn_backend, max(0, free_before - free_after))
+    logger.info(
+        "[sglang-dynspec] captured a plain DECODE CUDA graph for the target (batch sizes up to %s, %.0f MiB)",
+        graph.max_batch_size,
+        graph.memory_bytes / 2**20,
+    )
+    return graph
+
+
+@contextlib.contextmanager
+def plain_decode_graphs(model_runner, plain_graph: PlainDecodeGraph | None) -> Iterator[None]:
+    """Route the target's decode forward away from its TARGET_VERIFY CUDA graph.
+
+    For one forward, the plain graph and its backend are swapped in (or no graph:
+    eager). Race-free because the scheduler runs one forward at a time in this
+    process; ``finally`` restores both.
+    """
+    saved = (model_runner.decode_cuda_graph_runner, model_runner.attn_backend)
+    if plain_graph is None:
+        model_runner.decode_cuda_graph_runner = None
+    else:
+        model_runner.decode_cuda_graph_runner = plain_graph.runner
+        model_runner.attn_backend = plain_graph.attn_backend
+    # A read-done event left by an earlier verify replay would let the scheduler's
+    # WAR barrier pass before this forward has read req_to_token: start clean.
+    setattr(model_runner, compat.READ_DONE_EVENT, None)
+    try:
+        yield
+    finally:
+        model_runner.decode_cuda_graph_runner, model_runner.attn_backend = saved

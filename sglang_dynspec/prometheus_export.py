@@ -1,0 +1,90 @@
+"""Prometheus export of the plugin's modes, from the scheduler process.
+
+SGLang's accept-length metrics count a plain step as a verify step that accepted no
+draft, so they cannot tell the modes apart. These can. They are exported with
+``prometheus_client``, the way SGLang exports its scheduler metrics: with
+``--enable-metrics`` SGLang sets ``PROMETHEUS_MULTIPROC_DIR`` before the scheduler
+starts, and its HTTP server's ``/metrics`` aggregates every process. Names and help
+texts live in ``metric_names``.
+
+Useful queries:
+
+    fraction of decode steps run plain:
+      rate(sglang:spec_dynamic_decode_steps_total{mode="plain"}[1m])
+        / ignoring(mode) sum without(mode) (rate(sglang:spec_dynamic_decode_steps_total[1m]))
+    switches per minute:
+      sum(rate(sglang:spec_dynamic_switches_total[1m])) * 60
+    mean accepted tokens per request on the first speculative step after a resume
+    (compare with sglang:spec_accept_length, SGLang's steady-state figure):
+      rate(sglang:spec_dynamic_resume_accepted_tokens_total[5m])
+        / rate(sglang:spec_dynamic_resume_requests_total[5m])
+    draft catch-up time per replayed position:
+      rate(sglang:spec_dynamic_catch_up_seconds_sum[5m])
+        / rate(sglang:spec_dynamic_catch_up_tokens_total[5m])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from sglang_dynspec import metric_names as names
+from sglang_dynspec.policy import Mode, Switch
+from sglang_dynspec.telemetry import TelemetrySink
+
+_CATCH_UP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+
+
+class PrometheusExport(TelemetrySink):
+    """The plugin's series, labelled with ``labels`` (e.g. ``model_name``)."""
+
+    def __init__(self, labels: Mapping[str, str]):
+        # Imported here: prometheus_client must be imported after SGLang has set
+        # PROMETHEUS_MULTIPROC_DIR in this process (SGLang does the same).
+        from prometheus_client import Counter, Gauge, Histogram
+
+        labels = dict(labels)
+        keys = list(labels)
+
+        def counter(name, extra=None):
+            return Counter(name, names.HELP[name], labelnames=keys + ([extra] if extra else []))
+
+        self._mode = Gauge(
+            names.MODE_GAUGE, names.HELP[names.MODE_GAUGE], labelnames=keys, multiprocess_mode="mostrecent"
+        ).labels(**labels)
+        steps = counter(names.STEPS_COUNTER, "mode")
+        self._steps = {m: steps.labels(**labels, mode=m.value) for m in Mode}
+        switches = counter(names.SWITCHES_COUNTER, "to")
+        self._switches = {m: switches.labels(**labels, to=m.value) for m in Mode}
+        self._graph_steps = counter(names.PLAIN_GRAPH_COUNTER).labels(**labels)
+        catch_ups = counter(names.CATCH_UP_COUNTER, "reason")
+        self._catch_ups = {r: catch_ups.labels(**labels, reason=r) for r in names.CATCH_UP_REASONS}
+        self._catch_up_tokens = counter(names.CATCH_UP_TOKENS_COUNTER).labels(**labels)
+        self._catch_up_seconds = Histogram(
+            names.CATCH_UP_SECONDS,
+            names.HELP[names.CATCH_UP_SECONDS],
+            labelnames=keys,
+            buckets=_CATCH_UP_BUCKETS,
+        ).labels(**labels)
+        self._resume_accepted = counter(names.RESUME_ACCEPTED_COUNTER).labels(**labels)
+        self._resume_requests = counter(names.RESUME_REQUESTS_COUNTER).labels(**labels)
+        self._mode.set(1)
+
+    def on_decode_step(self, mode: Mode, replayed_graph: bool) -> None:
+        self._steps[mode].inc()
+        if replayed_graph:
+            self._graph_steps.inc()
+
+    def on_switch(self, switch: Switch, steps_before: Mapping[Mode, int]) -> None:
+        self._switches[switch.new].inc()
+        self._mode.set(1 if switch.new is Mode.SPEC else 0)
+
+    def on_catch_up_queued(self, reason: str, requests: int, tokens: int) -> None:
+        self._catch_ups[reason].inc()
+        self._catch_up_tokens.inc(tokens)
+
+    def on_catch_up_done(self, reason: str, requests: int, tokens: int, seconds: float) -> None:
+        self._catch_up_seconds.observe(seconds)
+
+    def on_resume_step(self, accept_lens: Sequence[int]) -> None:
+        self._resume_accepted.inc(sum(accept_lens))
+        self._resume_requests.inc(len(accept_lens))
