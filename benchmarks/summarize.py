@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from collections import defaultdict
 
 CONFIGS = ("baseline", "eagle3", "dynamic")
@@ -45,8 +44,10 @@ def spread(rows, key):
 def main(path, where=()):
     points = load(path, where)
     concurrencies = sorted({c for (_, c) in points})
-    print("| C | baseline tok/s | EAGLE-3 tok/s | dynamic tok/s | EAGLE-3 / base | dynamic / base "
-          "| dynamic / max(base, EAGLE-3) | dynamic steps in spec mode |")
+    print(
+        "| C | baseline tok/s | EAGLE-3 tok/s | dynamic tok/s | EAGLE-3 / base | dynamic / base "
+        "| dynamic / max(base, EAGLE-3) | dynamic steps in spec mode |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for c in concurrencies:
         b, e, d = (points[(cfg, c)] for cfg in CONFIGS)
@@ -55,12 +56,14 @@ def main(path, where=()):
         best = max(mean(b, "output_tok_s"), mean(e, "output_tok_s"))
         spec = [r.get("spec_step_frac") for r in d]
         spec_text = "/".join("–" if s is None else f"{s:.0%}" for s in spec)
-        print(f"| {c} | {mean(b, 'output_tok_s'):,.0f} ({spread(b, 'output_tok_s')}) "
-              f"| {mean(e, 'output_tok_s'):,.0f} ({spread(e, 'output_tok_s')}) "
-              f"| {mean(d, 'output_tok_s'):,.0f} ({spread(d, 'output_tok_s')}) "
-              f"| {mean(e, 'output_tok_s') / mean(b, 'output_tok_s'):.2f} "
-              f"| {mean(d, 'output_tok_s') / mean(b, 'output_tok_s'):.2f} "
-              f"| {mean(d, 'output_tok_s') / best:.3f} | {spec_text} |")
+        print(
+            f"| {c} | {mean(b, 'output_tok_s'):,.0f} ({spread(b, 'output_tok_s')}) "
+            f"| {mean(e, 'output_tok_s'):,.0f} ({spread(e, 'output_tok_s')}) "
+            f"| {mean(d, 'output_tok_s'):,.0f} ({spread(d, 'output_tok_s')}) "
+            f"| {mean(e, 'output_tok_s') / mean(b, 'output_tok_s'):.2f} "
+            f"| {mean(d, 'output_tok_s') / mean(b, 'output_tok_s'):.2f} "
+            f"| {mean(d, 'output_tok_s') / best:.3f} | {spec_text} |"
+        )
     print()
     print("| C | ITL p50 ms (base / EAGLE-3 / dynamic) | ITL p99 ms | TTFT p50 ms | per-request tok/s |")
     print("|---|---|---|---|---|")
@@ -68,10 +71,17 @@ def main(path, where=()):
         if not all(points[(cfg, c)] for cfg in CONFIGS):
             continue
         cells = []
-        for key, fmt in (("itl_p50_ms", ".1f"), ("itl_p99_ms", ".1f"), ("ttft_p50_ms", ".0f"),
-                         ("per_request_tok_s", ".0f")):
-            cells.append(" / ".join(
-                format(statistics.median(r[key] for r in points[(cfg, c)]), fmt) for cfg in CONFIGS))
+        for key, fmt in (
+            ("itl_p50_ms", ".1f"),
+            ("itl_p99_ms", ".1f"),
+            ("ttft_p50_ms", ".0f"),
+            ("per_request_tok_s", ".0f"),
+        ):
+            cells.append(
+                " / ".join(
+                    format(statistics.median(r[key] for r in points[(cfg, c)]), fmt) for cfg in CONFIGS
+                )
+            )
         print(f"| {c} | " + " | ".join(cells) + " |")
 
 

@@ -1,10 +1,11 @@
 #!/bin/bash
 # Serve the test bed's tiny models on a CPU with EAGLE3_DYNAMIC, then send a burst of
 # requests that crosses the threshold and print the plugin's counters.
+# Needs the project and its CPU test bed: pip install -e . -e ./testbed
 set -eu
 DIR=${1:-/tmp/sglang-dynspec-models}
-python -m sglang_dynspec.testbed.models "$DIR"
-python -m sglang_dynspec.testbed.serve --model-path "$DIR/target" \
+python -m dynspec_testbed.models "$DIR"
+python -m dynspec_testbed.serve --model-path "$DIR/target" \
   --speculative-algorithm EAGLE3_DYNAMIC --speculative-draft-model-path "$DIR/draft" \
   --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 \
   --speculative-disable-batch-threshold 4 --enable-metrics --port 30000 &

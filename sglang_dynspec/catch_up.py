@@ -92,8 +92,7 @@ class PlainGapLog:
     Both advance by exactly one per plain step of a request.
     """
 
-    def __init__(self, pool_size: int, capacity: int, hidden_width: int,
-                 hidden_dtype: torch.dtype, device):
+    def __init__(self, pool_size: int, capacity: int, hidden_width: int, hidden_dtype: torch.dtype, device):
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1, got {capacity}")
         self.capacity = capacity
@@ -111,8 +110,13 @@ class PlainGapLog:
         """True if recording one more plain step would overflow some request's buffer."""
         return any(self.gap[i] >= self.capacity for i in pool_indices)
 
-    def record(self, pool_indices: Sequence[int], pool_indices_device: torch.Tensor,
-               tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+    def record(
+        self,
+        pool_indices: Sequence[int],
+        pool_indices_device: torch.Tensor,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+    ) -> None:
         """Log one plain step: ``tokens[i]`` was the input and ``hidden[i]`` the aux state
         at the position request ``i`` just decoded. Call ``is_full`` (and flush) first."""
         full = [i for i in pool_indices if self.gap[i] >= self.capacity]
@@ -162,8 +166,9 @@ class PlainGapLog:
         return self.hidden[index[0], index[1]], self.tokens[index[0], index[1]]
 
 
-def build_catch_up_batch(batch: ScheduleBatch, gap_rows: GapRows, tokens: torch.Tensor,
-                         req_to_token: torch.Tensor) -> ScheduleBatch:
+def build_catch_up_batch(
+    batch: ScheduleBatch, gap_rows: GapRows, tokens: torch.Tensor, req_to_token: torch.Tensor
+) -> ScheduleBatch:
     """A new EXTEND batch over the gaps of ``gap_rows`` (``batch`` is left untouched).
 
     Request ``k`` extends positions ``[L_k - g_k, L_k)`` with the logged input tokens
@@ -182,7 +187,8 @@ def build_catch_up_batch(batch: ScheduleBatch, gap_rows: GapRows, tokens: torch.
     ext.input_ids = tokens
     positions = to_device(
         list(itertools.chain.from_iterable(range(p, L) for p, L in zip(prefix, gap_rows.committed_lens))),
-        torch.int64, device,
+        torch.int64,
+        device,
     )
     slots = to_device(gap_rows.token_slots(), torch.int64, device)
     ext.out_cache_loc = req_to_token[slots, positions].to(torch.int64)
@@ -204,7 +210,6 @@ def build_catch_up_batch(batch: ScheduleBatch, gap_rows: GapRows, tokens: torch.
     ext.chunked_req = None
     ext.has_grammar = False
     ext.is_extend_in_batch = True
-    ext.can_run_decode_cuda_graph = False
     ext.sampling_info = slice_sampling_info(batch.sampling_info, rows)
     # Fields some SGLang versions lack (compat.OPTIONAL_BATCH_FIELDS).
     compat.set_optional_batch_fields(
@@ -212,6 +217,7 @@ def build_catch_up_batch(batch: ScheduleBatch, gap_rows: GapRows, tokens: torch.
         req_pool_indices_cpu=torch.tensor(gap_rows.pool_indices, dtype=torch.int64),
         orig_seq_lens=ext.seq_lens.to(torch.int32),
         chunked_req_next_prompt_token=None,
+        can_run_decode_cuda_graph=False,
     )
     return ext
 
@@ -312,8 +318,9 @@ class DraftCatchUp:
             self._catch_up_decode_batch(batch, pool_indices, "buffer_full")
         return pool_indices
 
-    def record(self, pool_indices: list[int], batch: ScheduleBatch, plain_batch: ScheduleBatch,
-               aux_hidden) -> None:
+    def record(
+        self, pool_indices: list[int], batch: ScheduleBatch, plain_batch: ScheduleBatch, aux_hidden
+    ) -> None:
         """Log the positions a plain step just decoded (``aux_hidden`` ``[bs, 3H]``)."""
         if aux_hidden is None:
             raise RuntimeError(

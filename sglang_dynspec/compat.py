@@ -20,7 +20,9 @@ CPU). Where the two differ, the difference is detected once, from the installed 
   ``req.req_pool_idx`` on 0.5.17;
 * the draft tensor-parallel context is a module function of the draft's parallel
   layout on 0.5.23 and a draft-worker method taking the TP group on 0.5.17;
-* some ``ScheduleBatch`` fields exist only in some versions (``OPTIONAL_BATCH_FIELDS``).
+* some ``ScheduleBatch`` fields exist only in some versions (``OPTIONAL_BATCH_FIELDS``;
+  e.g. ``can_run_decode_cuda_graph`` is 0.5.23's, found missing on 0.5.17 by the
+  start-up check).
 
 No CUDA graph capture, no result shaping and no timers here (``plain_graph``,
 ``plain_step``, ``device_timer``).
@@ -122,7 +124,9 @@ class HostSymbols:
 
 HOST_SYMBOLS: tuple[HostSymbols, ...] = (
     # Registration (registration.py, plugin.py).
-    HostSymbols(SpeculativeAlgorithm, ("register", "EAGLE3", "NONE", "create_future_map", "get_platform_worker_cls?")),
+    HostSymbols(
+        SpeculativeAlgorithm, ("register", "EAGLE3", "NONE", "create_future_map", "get_platform_worker_cls?")
+    ),
     HostSymbols(CustomSpecAlgo, ("handle_server_args",)),
     HostSymbols(spec_registry, ("get_spec",)),
     HostSymbols(HookRegistry, ("register",)),
@@ -162,10 +166,17 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
             "last_shared_read_runner|war_fastpath_runner",
         ),
     ),
-    HostSymbols(EagleDraftWorker, ("_draft_extend_for_prefill", "draft_runner", "parallel_layout|draft_tp_context")),
+    HostSymbols(
+        EagleDraftWorker, ("_draft_extend_for_prefill", "draft_runner", "parallel_layout|draft_tp_context")
+    ),
     HostSymbols(
         eagle_worker_v2,
-        ("draft_tp_context?", "speculative_moe_backend_context", "speculative_moe_a2a_backend_context", "spec_stage_span"),
+        (
+            "draft_tp_context?",
+            "speculative_moe_backend_context",
+            "speculative_moe_a2a_backend_context",
+            "spec_stage_span",
+        ),
     ),
     HostSymbols(eagle_utils, ("get_draft_input_from_target_hidden_dim",)),
     HostSymbols(TpModelWorker, ("forward_batch_generation", "model_runner")),
@@ -217,8 +228,8 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
             "input_embeds",
             "decoding_reqs",
             "chunked_req",
-            "can_run_decode_cuda_graph",
             "sampling_info",
+            "can_run_decode_cuda_graph?",
             "req_pool_indices_cpu?",
             "orig_seq_lens?",
             "chunked_req_next_prompt_token?",
@@ -226,7 +237,9 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
     ),
     HostSymbols(Req, ("kv|req_pool_idx",)),
     HostSymbols(ReqToTokenPool, ("req_to_token",)),
-    HostSymbols(SamplingBatchInfo, ("temperatures", "top_ps", "top_ks", "min_ps", "sampling_seed", "grammars")),
+    HostSymbols(
+        SamplingBatchInfo, ("temperatures", "top_ps", "top_ks", "min_ps", "sampling_seed", "grammars")
+    ),
     # Results and the speculative state carried between steps (plain_step.py).
     HostSymbols(
         EagleDraftInput,
@@ -264,7 +277,7 @@ def table_names(table: tuple[HostSymbols, ...] = HOST_SYMBOLS) -> frozenset[str]
     return frozenset(alt for entry in table for name in entry.names for alt in name.rstrip("?").split("|"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _class_source(cls: type) -> str:
     try:
         return inspect.getsource(cls)
@@ -310,7 +323,12 @@ READ_DONE_EVENT = "shared_read_done_event" if _NEW_WAR_NAMES else "war_fastpath_
 # ScheduleBatch fields the catch-up batch sets only where the installed version has them.
 OPTIONAL_BATCH_FIELDS = frozenset(
     name
-    for name in ("req_pool_indices_cpu", "orig_seq_lens", "chunked_req_next_prompt_token")
+    for name in (
+        "req_pool_indices_cpu",
+        "orig_seq_lens",
+        "chunked_req_next_prompt_token",
+        "can_run_decode_cuda_graph",
+    )
     if name in ScheduleBatch.__dataclass_fields__
 )
 
@@ -360,7 +378,9 @@ def is_registered(name: str) -> bool:
     return spec_registry.get_spec(name) is not None
 
 
-def register_algorithm(name: str, spec_class: type, *, validate_server_args: Callable, worker_factory: Callable):
+def register_algorithm(
+    name: str, spec_class: type, *, validate_server_args: Callable, worker_factory: Callable
+):
     """Register ``name`` with SGLang's speculative-algorithm registry."""
     SpeculativeAlgorithm.register(
         name, supports_overlap=True, validate_server_args=validate_server_args, spec_class=spec_class
@@ -374,7 +394,9 @@ def register_cli_args_hook(add_arguments: Callable[[Any], None]) -> None:
         add_arguments(parser)
         return result
 
-    HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", after_add_cli_args, HookType.AFTER)
+    HookRegistry.register(
+        "sglang.srt.server_args.ServerArgs.add_cli_args", after_add_cli_args, HookType.AFTER
+    )
 
 
 def new_future_map(device, algorithm, req_to_token_pool, *args, **kwargs):

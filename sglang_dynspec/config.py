@@ -76,8 +76,7 @@ ENABLE_THRESHOLD = Flag(
 MIN_DWELL = Flag(
     "--speculative-min-dwell-steps",
     "SGLANG_DYNSPEC_MIN_DWELL_STEPS",
-    f"{ALGORITHM_NAME}: fewest decode steps between two mode switches "
-    f"(default {DEFAULT_MIN_DWELL_STEPS}).",
+    f"{ALGORITHM_NAME}: fewest decode steps between two mode switches (default {DEFAULT_MIN_DWELL_STEPS}).",
 )
 CATCH_UP_TOKENS = Flag(
     "--speculative-catch-up-tokens",
@@ -97,9 +96,7 @@ def _read_non_negative_int(flag: Flag, environ: Mapping[str, str]) -> int | None
     try:
         value = int(raw.strip())
     except ValueError:
-        raise ConfigError(
-            f"{flag.describe()} must be a non-negative integer, got {raw!r}"
-        ) from None
+        raise ConfigError(f"{flag.describe()} must be a non-negative integer, got {raw!r}") from None
     if value < 0:
         raise ConfigError(f"{flag.describe()} must be a non-negative integer, got {value}")
     return value

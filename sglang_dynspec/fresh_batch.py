@@ -47,9 +47,7 @@ def build_plain_decode_batch(batch: ScheduleBatch, req_to_token: torch.Tensor) -
     # [bs] the pending token of each request, at position seq_lens
     plain.input_ids = pending_tokens(draft_input).to(torch.int64, copy=True)
     # [bs] the first reserved slot past the committed KV of each request
-    plain.out_cache_loc = req_to_token[batch.req_pool_indices.long(), batch.seq_lens.long()].to(
-        torch.int64
-    )
+    plain.out_cache_loc = req_to_token[batch.req_pool_indices.long(), batch.seq_lens.long()].to(torch.int64)
     # [bs] new tensors: decode positions are seq_lens - 1 and attention reads
     # seq_lens keys, the pending token included.
     plain.seq_lens = batch.seq_lens + 1

@@ -55,7 +55,10 @@ def _full_hidden_runner_class(base: type) -> type:
     return type(
         "PlainDecodeCudaGraphRunner",
         (base,),
-        {"return_hidden_states_mode": property(get_mode, set_mode), "__doc__": _full_hidden_runner_class.__doc__},
+        {
+            "return_hidden_states_mode": property(get_mode, set_mode),
+            "__doc__": _full_hidden_runner_class.__doc__,
+        },
     )
 
 
@@ -80,7 +83,9 @@ def capture_plain_decode_graph(model_runner, capture_hidden: bool = True) -> Pla
     free_before = torch.cuda.mem_get_info()[0]
     attn_backend = compat.new_attention_backend(model_runner)
     runner_cls = (
-        _full_hidden_runner_class(compat.DecodeCudaGraphRunner) if capture_hidden else compat.DecodeCudaGraphRunner
+        _full_hidden_runner_class(compat.DecodeCudaGraphRunner)
+        if capture_hidden
+        else compat.DecodeCudaGraphRunner
     )
     saved_algorithm = model_runner.spec_algorithm
     model_runner.spec_algorithm = compat.SpeculativeAlgorithm.NONE

@@ -50,7 +50,8 @@ def register() -> None:
         # name"; say which internal is missing and what is supported.
         logger.error(
             "[sglang-dynspec] cannot register EAGLE3_DYNAMIC: this SGLang lacks an internal "
-            "the plugin needs (%s). Supported: sglang>=0.5.17,<0.6.", e,
+            "the plugin needs (%s). Supported: sglang>=0.5.17,<0.6.",
+            e,
         )
         return
 
@@ -128,7 +129,11 @@ def validate_server_args(server_args) -> None:
         raise config.ConfigError(reason)
     draft = getattr(server_args, "speculative_draft_model_path", None)
     try:
-        architectures = _draft_architectures(draft, getattr(server_args, "speculative_draft_model_revision", None)) if draft else None
+        architectures = (
+            _draft_architectures(draft, getattr(server_args, "speculative_draft_model_revision", None))
+            if draft
+            else None
+        )
     except (OSError, ValueError) as e:
         raise config.ConfigError(
             f"--speculative-draft-model-path {draft}: cannot read its config.json ({e})"

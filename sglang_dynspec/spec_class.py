@@ -20,7 +20,9 @@ from sglang_dynspec import compat
 # Methods of the enum that must NOT be answered as EAGLE3 would: constructors and
 # class-level API, the worker factory (ours), and methods that take the algorithm
 # itself as an argument to another object (defined explicitly below).
-_NOT_DELEGATED = frozenset({"from_string", "register", "create_worker", "create_future_map", "get_platform_worker_cls"})
+_NOT_DELEGATED = frozenset(
+    {"from_string", "register", "create_worker", "create_future_map", "get_platform_worker_cls"}
+)
 
 
 def eagle3_method_names() -> list[str]:

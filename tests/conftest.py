@@ -8,11 +8,10 @@ quick local run. Nothing is skipped behind the user's back.
 import os
 import sys
 from pathlib import Path
-from typing import Dict
 
 import pytest
 
-from sglang_dynspec.testbed import SHIM_DIR
+from dynspec_testbed import SHIM_DIR
 
 # SGLang's CUDA-only kernel wheel cannot load here: the test bed's pure-PyTorch
 # stand-in must shadow it, and SGLang must pick its CPU platform, before any test
@@ -26,10 +25,10 @@ MODELS_DIR_ENV = "SGLANG_DYNSPEC_TEST_MODELS"
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory) -> Dict[str, Path]:
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """The CPU test bed's tiny models (``target``, ``draft``, ``target-agree``,
     ``draft-agree``), built once per session (about 10 s)."""
-    from sglang_dynspec.testbed.models import build_models
+    from dynspec_testbed.models import build_models
 
     root = os.environ.get(MODELS_DIR_ENV) or tmp_path_factory.mktemp("testbed-models")
     return build_models(root)

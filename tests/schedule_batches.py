@@ -45,11 +45,10 @@ import json
 import os
 import sys
 import tempfile
-from typing import Tuple
 
 from hypothesis import strategies as st
 
-from sglang_dynspec.testbed import SHIM_DIR
+from dynspec_testbed import SHIM_DIR
 
 if str(SHIM_DIR) not in sys.path:
     sys.path.insert(0, str(SHIM_DIR))
@@ -81,10 +80,10 @@ MAX_STEPS = 8
 class SpecDecodeCase:
     """Parameters of one speculative decode batch (see the module docstring)."""
 
-    prompt_lens: Tuple[int, ...]  # per request; committed length = prompt + output - 1
-    output_lens: Tuple[int, ...]  # per request, >= 1: the last output id is pending
-    greedy: Tuple[bool, ...]  # per request: temperature 0, else 0.7 with top_k 20
-    return_logprob: Tuple[bool, ...]  # per request
+    prompt_lens: tuple[int, ...]  # per request; committed length = prompt + output - 1
+    output_lens: tuple[int, ...]  # per request, >= 1: the last output id is pending
+    greedy: tuple[bool, ...]  # per request: temperature 0, else 0.7 with top_k 20
+    return_logprob: tuple[bool, ...]  # per request
     num_draft_tokens: int
     topk: int
     num_steps: int
@@ -101,7 +100,7 @@ class SpecDecodeCase:
         return len(self.prompt_lens)
 
     @property
-    def committed_lens(self) -> Tuple[int, ...]:
+    def committed_lens(self) -> tuple[int, ...]:
         return tuple(p + o - 1 for p, o in zip(self.prompt_lens, self.output_lens))
 
     @property
@@ -171,8 +170,8 @@ class SpecDecodeBatch:
         return self.req_to_token_pool.req_to_token
 
 
-@functools.lru_cache(maxsize=None)
-def _sglang_runtime() -> Tuple[ModelConfig, "runtime_context.RuntimeContext"]:
+@functools.cache
+def _sglang_runtime() -> tuple[ModelConfig, runtime_context.RuntimeContext]:
     """A tiny model config and a private runtime context, built once per process.
 
     Resolving ``ServerArgs`` exports a few ``SGLANG_*`` defaults; they are put back
@@ -398,11 +397,7 @@ def differences(batch: ScheduleBatch, before: dict) -> list:
             value, copied = recorded[name]
             current = now[name]
             if current is not value:
-                if not (
-                    isinstance(value, _IMMUTABLE)
-                    and type(current) is type(value)
-                    and current == value
-                ):
+                if not (isinstance(value, _IMMUTABLE) and type(current) is type(value) and current == value):
                     diffs.append(f"{where}: rebound ({value!r:.60} -> {current!r:.60})")
                 continue
             if isinstance(value, torch.Tensor):

@@ -15,9 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_dynspec.bench import client, metrics, records, stats
+from dynspec_testbed.fake_server import FakeServerThread, FakeSGLang
+from sglang_dynspec import metric_names
+from sglang_dynspec.bench import client, fmt, records, scrape, stats
 from sglang_dynspec.bench.__main__ import main
-from sglang_dynspec.bench.fake_server import FakeServerThread, FakeSGLang
 from sglang_dynspec.bench.records import (
     RAMP_SAMPLE_KEYS,
     RAMP_SUMMARY_KEYS,
@@ -26,7 +27,17 @@ from sglang_dynspec.bench.records import (
     missing_keys,
     read_jsonl,
 )
-from sglang_dynspec.bench.stats import RequestTrace, Switch
+from sglang_dynspec.bench.scrape import (
+    CATCH_UP_SECONDS,
+    CATCH_UP_TOKENS,
+    CATCH_UPS,
+    MODE,
+    RESUME_ACCEPTED,
+    RESUME_REQUESTS,
+    RUNNING,
+    STEPS,
+)
+from sglang_dynspec.bench.stats import ObservedSwitch, RequestTrace
 
 STEP_S = 0.01  # fake decode step
 
@@ -61,6 +72,7 @@ def test_percentile_known_values():
 )
 def test_percentile_matches_numpy(xs, q):
     import numpy as np
+
     assert stats.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), abs=1e-6, rel=1e-9)
 
 
@@ -172,7 +184,10 @@ def test_gap_near_switch_found_and_ratio():
     step = 0.010
     stalled = [_steady(0.0, 3.0, step, stall_at=1.5, stall=0.090) for _ in range(3)]
     analysis = stats.analyze_switch(
-        stalled, Switch(1.45, 1.55, "plain"), pad_s=0.05, local_window_s=1.0,
+        stalled,
+        ObservedSwitch(1.45, 1.55, "plain"),
+        pad_s=0.05,
+        local_window_s=1.0,
         global_median_step_s=stats.median_step(stalled),
     )
     assert analysis["max_gap_ms_near_switch"] == pytest.approx(100.0, rel=1e-6)
@@ -181,7 +196,10 @@ def test_gap_near_switch_found_and_ratio():
 
     # the stall is not "near" a switch 1 s away
     far = stats.analyze_switch(
-        stalled, Switch(2.5, 2.6, "spec"), pad_s=0.05, local_window_s=1.0,
+        stalled,
+        ObservedSwitch(2.5, 2.6, "spec"),
+        pad_s=0.05,
+        local_window_s=1.0,
         global_median_step_s=0.01,
     )
     assert far["max_gap_ms_near_switch"] == pytest.approx(10.0, rel=1e-6)
@@ -206,7 +224,7 @@ def test_parse_metrics_sums_over_ranks_and_keeps_mode_labels():
     fake._c_steps.labels(model_name="fake", tp_rank="1", mode="spec").inc(5)
     fake._c_switch.labels(model_name="fake", tp_rank="0", to="plain").inc(1)
     fake._c_switch.labels(model_name="fake", tp_rank="1", to="plain").inc(1)
-    snap = metrics.parse_metrics(fake.metrics_text())
+    snap = scrape.parse_metrics(fake.metrics_text())
     assert snap.mode == 1  # two ranks at 1: max, not sum
     assert snap.mode_consistent
     assert snap.steps_spec == 10.0 and snap.steps_plain == 0.0
@@ -214,21 +232,39 @@ def test_parse_metrics_sums_over_ranks_and_keeps_mode_labels():
     assert snap.num_running_reqs == 0.0
 
 
+def test_fake_server_exports_the_plugins_names_and_help_texts():
+    text = FakeSGLang(tp_ranks=1).metrics_text()
+    names = metric_names
+    for series, name in (
+        (names.MODE_GAUGE, names.MODE_GAUGE),
+        (names.total(names.STEPS_COUNTER), names.STEPS_COUNTER),
+        (names.total(names.SWITCHES_COUNTER), names.SWITCHES_COUNTER),
+    ):
+        assert f"# HELP {series} {names.HELP[name]}" in text
+    no_plugin = FakeSGLang(plugin_metrics=False).metrics_text()
+    assert RUNNING in no_plugin and "spec_dynamic" not in no_plugin
+
+
+def test_fmt_helpers():
+    assert fmt.ms(None) is None and fmt.ms(0.25) == 250.0
+    assert fmt.fmt(None) == "n/a" and fmt.fmt(1.234) == "1.23" and fmt.fmt(12.34, ".1f") == "12.3"
+
+
 def test_parse_metrics_handwritten_text():
-    text = """\
-# TYPE sglang:spec_dynamic_mode gauge
-sglang:spec_dynamic_mode{model_name="m",tp_rank="0"} 0.0
-sglang:spec_dynamic_mode{model_name="m",tp_rank="1"} 1.0
-# TYPE sglang:spec_dynamic_decode_steps_total counter
-sglang:spec_dynamic_decode_steps_total{mode="plain",tp_rank="0"} 7
-sglang:spec_dynamic_decode_steps_total{mode="spec",tp_rank="0"} 3
-# TYPE sglang:num_running_reqs gauge
-sglang:num_running_reqs{model_name="m",engine_type="unified"} 12
-sglang:num_running_reqs{model_name="m",engine_type="other"} 4
+    text = f"""\
+# TYPE {MODE} gauge
+{MODE}{{model_name="m",tp_rank="0"}} 0.0
+{MODE}{{model_name="m",tp_rank="1"}} 1.0
+# TYPE {STEPS} counter
+{STEPS}{{mode="plain",tp_rank="0"}} 7
+{STEPS}{{mode="spec",tp_rank="0"}} 3
+# TYPE {RUNNING} gauge
+{RUNNING}{{model_name="m",engine_type="unified"}} 12
+{RUNNING}{{model_name="m",engine_type="other"}} 4
 # TYPE sglang:unrelated gauge
 sglang:unrelated 99
 """
-    snap = metrics.parse_metrics(text)
+    snap = scrape.parse_metrics(text)
     assert snap.mode == 1 and not snap.mode_consistent
     assert (snap.steps_spec, snap.steps_plain) == (3.0, 7.0)
     assert snap.switches_to_plain == 0.0  # plugin present, counter untouched
@@ -236,33 +272,33 @@ sglang:unrelated 99
 
 
 def test_parse_metrics_reads_catch_up_and_resume_series():
-    text = """\
-# TYPE sglang:spec_dynamic_mode gauge
-sglang:spec_dynamic_mode{model_name="m"} 1.0
-# TYPE sglang:spec_dynamic_catch_up_total counter
-sglang:spec_dynamic_catch_up_total{model_name="m",reason="resume"} 2
-sglang:spec_dynamic_catch_up_total{model_name="m",reason="buffer_full"} 5
-# TYPE sglang:spec_dynamic_catch_up_tokens_total counter
-sglang:spec_dynamic_catch_up_tokens_total{model_name="m"} 700
-# TYPE sglang:spec_dynamic_catch_up_seconds histogram
-sglang:spec_dynamic_catch_up_seconds_bucket{le="+Inf",model_name="m"} 7
-sglang:spec_dynamic_catch_up_seconds_count{model_name="m"} 7
-sglang:spec_dynamic_catch_up_seconds_sum{model_name="m"} 0.035
-# TYPE sglang:spec_dynamic_resume_accepted_tokens_total counter
-sglang:spec_dynamic_resume_accepted_tokens_total{model_name="m"} 9
-# TYPE sglang:spec_dynamic_resume_requests_total counter
-sglang:spec_dynamic_resume_requests_total{model_name="m"} 3
+    text = f"""\
+# TYPE {MODE} gauge
+{MODE}{{model_name="m"}} 1.0
+# TYPE {CATCH_UPS} counter
+{CATCH_UPS}{{model_name="m",reason="resume"}} 2
+{CATCH_UPS}{{model_name="m",reason="buffer_full"}} 5
+# TYPE {CATCH_UP_TOKENS} counter
+{CATCH_UP_TOKENS}{{model_name="m"}} 700
+# TYPE {CATCH_UP_SECONDS} histogram
+{CATCH_UP_SECONDS}_bucket{{le="+Inf",model_name="m"}} 7
+{CATCH_UP_SECONDS}_count{{model_name="m"}} 7
+{CATCH_UP_SECONDS}_sum{{model_name="m"}} 0.035
+# TYPE {RESUME_ACCEPTED} counter
+{RESUME_ACCEPTED}{{model_name="m"}} 9
+# TYPE {RESUME_REQUESTS} counter
+{RESUME_REQUESTS}{{model_name="m"}} 3
 """
-    snap = metrics.parse_metrics(text)
+    snap = scrape.parse_metrics(text)
     assert snap.catch_ups == {"resume": 2.0, "buffer_full": 5.0}
     assert (snap.catch_up_tokens, snap.catch_up_timed) == (700.0, 7.0)
     assert abs(snap.catch_up_seconds_sum - 0.035) < 1e-12
     assert snap.resume_accept_length == 3.0
-    assert metrics.parse_metrics('sglang:spec_dynamic_mode{model_name="m"} 1.0\n').resume_accept_length is None
+    assert scrape.parse_metrics(f'{MODE}{{model_name="m"}} 1.0\n').resume_accept_length is None
 
 
 def test_parse_metrics_without_plugin():
-    snap = metrics.parse_metrics('sglang:num_running_reqs{tp_rank="0"} 3\n')
+    snap = scrape.parse_metrics(f'{RUNNING}{{tp_rank="0"}} 3\n')
     assert snap.mode is None and snap.steps_spec is None and snap.switches_to_spec is None
     assert not snap.has_plugin_metrics
     assert snap.num_running_reqs == 3.0
@@ -324,8 +360,9 @@ async def _one_request(url, output_len, **kw):
     [(False, False), (True, False), (False, True), (True, True)],
 )
 def test_stream_token_counts_for_every_server_flavour(incremental, skip_tokenizer_init):
-    fake = FakeSGLang(step_s=0.005, spec_tokens=3, incremental=incremental,
-                      skip_tokenizer_init=skip_tokenizer_init)
+    fake = FakeSGLang(
+        step_s=0.005, spec_tokens=3, incremental=incremental, skip_tokenizer_init=skip_tokenizer_init
+    )
     with FakeServerThread(fake) as url:
         tr = asyncio.run(_one_request(url, 20))
     assert tr.ok, tr.error
@@ -348,18 +385,32 @@ def test_stream_error_event_is_a_failed_request():
 
 
 def _sweep(url, out, *extra):
-    return main([
-        "sweep", "--url", url, "--config", "fake", "--prompt-len", "8",
-        "--output-len", "41", "--out", str(out), "--no-progress", *extra,
-    ])
+    return main(
+        [
+            "sweep",
+            "--url",
+            url,
+            "--config",
+            "fake",
+            "--prompt-len",
+            "8",
+            "--output-len",
+            "41",
+            "--out",
+            str(out),
+            "--no-progress",
+            *extra,
+        ]
+    )
 
 
 def test_sweep_one_token_per_step_gives_step_itl(tmp_path):
     out = tmp_path / "sweep.jsonl"
     fake = FakeSGLang(step_s=STEP_S, spec_tokens=1)
     with FakeServerThread(fake) as url:
-        rc = _sweep(url, out, "--concurrency", "2,8", "--warmup", "1",
-                    "--repeats", "2", "--tag", "hw=fake-cpu")
+        rc = _sweep(
+            url, out, "--concurrency", "2,8", "--warmup", "1", "--repeats", "2", "--tag", "hw=fake-cpu"
+        )
     assert rc == 0
     recs = list(read_jsonl(str(out)))
     assert [(r["concurrency"], r["repeat"]) for r in recs] == [(2, 0), (8, 0), (2, 1), (8, 1)]
@@ -390,8 +441,9 @@ def test_sweep_one_token_per_step_gives_step_itl(tmp_path):
 
 def test_sweep_multi_token_chunks_split_itl(tmp_path):
     out = tmp_path / "sweep.jsonl"
-    fake = FakeSGLang(step_s=STEP_S, spec_tokens=4, info_path="/get_server_info",
-                      version="0.5.17", skip_tokenizer_init=True)
+    fake = FakeSGLang(
+        step_s=STEP_S, spec_tokens=4, info_path="/get_server_info", version="0.5.17", skip_tokenizer_init=True
+    )
     with FakeServerThread(fake) as url:
         assert _sweep(url, out, "--concurrency", "2", "--warmup", "0") == 0
     (r,) = read_jsonl(str(out))
@@ -407,8 +459,7 @@ def test_sweep_records_dynamic_mode_per_point(tmp_path):
     out = tmp_path / "sweep.jsonl"
     fake = FakeSGLang(step_s=STEP_S, spec_tokens=3, switch_above=2)
     with FakeServerThread(fake) as url:
-        assert _sweep(url, out, "--concurrency", "1,8", "--warmup", "0",
-                      "--requests-per-point", "8") == 0
+        assert _sweep(url, out, "--concurrency", "1,8", "--warmup", "0", "--requests-per-point", "8") == 0
     c1, c8 = read_jsonl(str(out))
     assert c1["spec_step_frac"] == 1.0 and c1["itl_p50_ms"] == approx_rel(10 / 3, 0.3)
     # 8 in flight > 2: the fake stops speculating for most of the point
@@ -420,8 +471,22 @@ def test_sweep_without_server_info_and_with_errors(tmp_path):
     out = tmp_path / "sweep.jsonl"
     fake = FakeSGLang(step_s=STEP_S, info_path=None, metrics_endpoint=False, error_every=4)
     with FakeServerThread(fake) as url:
-        assert _sweep(url, out, "--concurrency", "2", "--warmup", "0", "--text",
-                      "--requests-per-point", "8", "--output-len", "5") == 0
+        assert (
+            _sweep(
+                url,
+                out,
+                "--concurrency",
+                "2",
+                "--warmup",
+                "0",
+                "--text",
+                "--requests-per-point",
+                "8",
+                "--output-len",
+                "5",
+            )
+            == 0
+        )
     (r,) = read_jsonl(str(out))
     assert r["prompt_mode"] == "text"
     assert r["sglang"] is None
@@ -458,12 +523,33 @@ def test_unreachable_server_is_one_line_error(tmp_path, capsys):
 
 
 def _ramp(url, out, *extra):
-    return main([
-        "ramp", "--url", url, "--config", "dyn", "--prompt-len", "8",
-        "--output-len", "30", "--steps", "1,6,1", "--hold-s", "0.6",
-        "--poll-s", "0.05", "--switch-pad-s", "0.05", "--local-window-s", "1.0",
-        "--out", str(out), "--no-progress", *extra,
-    ])
+    return main(
+        [
+            "ramp",
+            "--url",
+            url,
+            "--config",
+            "dyn",
+            "--prompt-len",
+            "8",
+            "--output-len",
+            "30",
+            "--steps",
+            "1,6,1",
+            "--hold-s",
+            "0.6",
+            "--poll-s",
+            "0.05",
+            "--switch-pad-s",
+            "0.05",
+            "--local-window-s",
+            "1.0",
+            "--out",
+            str(out),
+            "--no-progress",
+            *extra,
+        ]
+    )
 
 
 def _by_kind(path):
@@ -478,8 +564,7 @@ def test_ramp_detects_switches_and_stall(tmp_path):
     stall = 0.15
     fake = FakeSGLang(step_s=STEP_S, spec_tokens=2, switch_above=3, switch_stall_s=stall)
     with FakeServerThread(fake) as url:
-        assert _ramp(url, out, "--tag", "hw=fake", "--requests-out",
-                     str(tmp_path / "req.jsonl")) == 0
+        assert _ramp(url, out, "--tag", "hw=fake", "--requests-out", str(tmp_path / "req.jsonl")) == 0
     recs = _by_kind(out)
     samples, switches, (summary,) = recs["sample"], recs["switch"], recs["ramp_summary"]
     for s in samples:
@@ -542,12 +627,32 @@ def test_ramp_seamless_switch_has_small_ratio(tmp_path):
 @pytest.mark.parametrize("plugin_metrics,metrics_endpoint", [(False, True), (False, False)])
 def test_ramp_without_plugin_metrics_records_null_mode(tmp_path, plugin_metrics, metrics_endpoint):
     out = tmp_path / "ramp.jsonl"
-    fake = FakeSGLang(step_s=STEP_S, switch_above=3, plugin_metrics=plugin_metrics,
-                      metrics_endpoint=metrics_endpoint)
+    fake = FakeSGLang(
+        step_s=STEP_S, switch_above=3, plugin_metrics=plugin_metrics, metrics_endpoint=metrics_endpoint
+    )
     with FakeServerThread(fake) as url:
-        rc = main(["ramp", "--url", url, "--config", "base", "--prompt-len", "4",
-                   "--output-len", "10", "--steps", "1,5", "--hold-requests", "3",
-                   "--poll-s", "0.05", "--out", str(out), "--no-progress"])
+        rc = main(
+            [
+                "ramp",
+                "--url",
+                url,
+                "--config",
+                "base",
+                "--prompt-len",
+                "4",
+                "--output-len",
+                "10",
+                "--steps",
+                "1,5",
+                "--hold-requests",
+                "3",
+                "--poll-s",
+                "0.05",
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
     assert rc == 0
     recs = _by_kind(out)
     assert recs["sample"] and all(s["mode"] is None for s in recs["sample"])
@@ -576,17 +681,30 @@ def _write(path, recs):
 
 
 def _point(config, c, repeat, tok_s):
-    return {"kind": "sweep_point", "config": config, "concurrency": c, "repeat": repeat,
-            "output_tok_s": tok_s, "per_request_tok_s": tok_s / c, "prompt_len": 256,
-            "output_len": 256, "hw": "test"}
+    return {
+        "kind": "sweep_point",
+        "config": config,
+        "concurrency": c,
+        "repeat": repeat,
+        "output_tok_s": tok_s,
+        "per_request_tok_s": tok_s / c,
+        "prompt_len": 256,
+        "output_len": 256,
+        "hw": "test",
+    }
 
 
 def test_ratio_to_baseline():
     from sglang_dynspec.bench import plot
 
-    pts = [_point("baseline", 1, 0, 100.0), _point("baseline", 1, 1, 120.0),
-           _point("baseline", 4, 0, 400.0), _point("dyn", 1, 0, 220.0),
-           _point("dyn", 1, 1, 200.0), _point("dyn", 8, 0, 1.0)]
+    pts = [
+        _point("baseline", 1, 0, 100.0),
+        _point("baseline", 1, 1, 120.0),
+        _point("baseline", 4, 0, 400.0),
+        _point("dyn", 1, 0, 220.0),
+        _point("dyn", 1, 1, 200.0),
+        _point("dyn", 8, 0, 1.0),
+    ]
     agg = plot.aggregate(pts, "output_tok_s")
     assert agg["baseline"][1] == (110.0, 100.0, 120.0)
     rat = plot.ratios(agg, "baseline")
@@ -598,6 +716,7 @@ def test_ratio_to_baseline():
 
 def test_plot_writes_pngs(tmp_path):
     import matplotlib  # noqa: F401  (a test dependency: the plot command needs it)
+
     sweep = tmp_path / "sweep.jsonl"
     pts = []
     for cfg, speed in (("baseline", 1.0), ("dynspec", 1.3)):
@@ -607,21 +726,56 @@ def test_plot_writes_pngs(tmp_path):
     _write(sweep, pts)
     ramp = tmp_path / "ramp.jsonl"
     ramp_recs = [
-        {"kind": "sample", "config": "dynspec", "run_id": "r1", "t": i * 0.25,
-         "mode": 0 if 8 <= i < 16 else 1, "num_running_reqs": 40 if 8 <= i < 16 else 2,
-         "concurrency": 64 if 8 <= i < 16 else 2, "steps_spec": None, "steps_plain": None,
-         "switches_to_plain": None, "switches_to_spec": None}
+        {
+            "kind": "sample",
+            "config": "dynspec",
+            "run_id": "r1",
+            "t": i * 0.25,
+            "mode": 0 if 8 <= i < 16 else 1,
+            "num_running_reqs": 40 if 8 <= i < 16 else 2,
+            "concurrency": 64 if 8 <= i < 16 else 2,
+            "steps_spec": None,
+            "steps_plain": None,
+            "switches_to_plain": None,
+            "switches_to_spec": None,
+        }
         for i in range(24)
     ]
     ramp_recs += [
-        {"kind": "switch", "config": "dynspec", "run_id": "r1", "t": 2.0, "to": "plain",
-         "max_gap_ms_near_switch": 35.0, "median_step_ms": 12.0},
-        {"kind": "switch", "config": "dynspec", "run_id": "r1", "t": 4.0, "to": "spec",
-         "max_gap_ms_near_switch": 15.0, "median_step_ms": 12.0},
-        {"kind": "ramp_step", "config": "dynspec", "run_id": "r1", "concurrency": 2,
-         "t_start": 0.0, "t_end": 2.0, "output_tok_s": 300.0},
-        {"kind": "ramp_summary", "config": "dynspec", "run_id": "r1", "worst_gap_ratio": 2.9,
-         "date": "2025-01-01T00:00:00Z"},
+        {
+            "kind": "switch",
+            "config": "dynspec",
+            "run_id": "r1",
+            "t": 2.0,
+            "to": "plain",
+            "max_gap_ms_near_switch": 35.0,
+            "median_step_ms": 12.0,
+        },
+        {
+            "kind": "switch",
+            "config": "dynspec",
+            "run_id": "r1",
+            "t": 4.0,
+            "to": "spec",
+            "max_gap_ms_near_switch": 15.0,
+            "median_step_ms": 12.0,
+        },
+        {
+            "kind": "ramp_step",
+            "config": "dynspec",
+            "run_id": "r1",
+            "concurrency": 2,
+            "t_start": 0.0,
+            "t_end": 2.0,
+            "output_tok_s": 300.0,
+        },
+        {
+            "kind": "ramp_summary",
+            "config": "dynspec",
+            "run_id": "r1",
+            "worst_gap_ratio": 2.9,
+            "date": "2025-01-01T00:00:00Z",
+        },
     ]
     _write(ramp, ramp_recs)
     out_dir = tmp_path / "plots"

@@ -18,13 +18,13 @@ acceptance right after a resume) are in ``test_catch_up_e2e.py``.
 from __future__ import annotations
 
 import pytest
+import schedule_batches  # noqa: F401  (sets up the CPU import of SGLang first)
 import torch
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
-import schedule_batches  # noqa: F401  (sets up the CPU import of SGLang first)
 from schedule_batches import build_spec_decode_batch, differences, snapshot, spec_decode_cases
+
 from sglang_dynspec.catch_up import GapRows, PlainGapLog, build_catch_up_batch
 from sglang_dynspec.compat import ForwardMode
 

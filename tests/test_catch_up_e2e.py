@@ -4,7 +4,7 @@
    speculating) and on EAGLE3_DYNAMIC servers with threshold 3, so the six run
    plain, the four short ones finish, and the two long ones resume speculation and
    finish speculating. Each server writes the draft K and V rows of every finished
-   request (``testbed/draft_kv.py``). With the catch-up (buffer of 4 positions, so
+   request (``dynspec_testbed/draft_kv.py``). With the catch-up (buffer of 4 positions, so
    it also flushes in plain mode), the long requests' rows equal EAGLE3's at every
    position, under both schedulers, within float32 rounding; the short ones, which
    finish while plain, differ at most in their last 4 positions (the documented
@@ -15,7 +15,7 @@
    mixed step; their draft KV is held to the same bound.
 
 2. Acceptance right after a resume. With the counting pair (the right proposal
-   depends on the position, see ``testbed/models.py``) and one draft step, every
+   depends on the position, see ``dynspec_testbed/models.py``) and one draft step, every
    speculative step accepts 2 tokens when the draft state is current. The first
    step after a resume accepts 2 with the catch-up (sync and overlap schedulers)
    and fewer without it. Outputs count up, as the target alone does.
@@ -26,14 +26,13 @@ Greedy outputs equal the EAGLE3 server's, token for token, in every run.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Tuple
 
 import pytest
 import torch
 
-from sglang_dynspec.testbed.draft_kv import DUMP_DIR_ENV, load_dumps
-from sglang_dynspec.testbed.server import CpuServer, wait_until_idle
-from sglang_dynspec.testbed.workload import plugin_counters, random_requests, run_staggered, run_waves
+from dynspec_testbed.draft_kv import DUMP_DIR_ENV, load_dumps
+from dynspec_testbed.server import CpuServer, wait_until_idle
+from dynspec_testbed.workload import plugin_counters, random_requests, run_staggered, run_waves
 
 pytestmark = pytest.mark.server
 
@@ -59,28 +58,38 @@ COUNT_WAVES = [
 ]
 
 
-def spec_args(models, target: str, draft: str, steps: int, draft_tokens: int) -> List[str]:
+def spec_args(models, target: str, draft: str, steps: int, draft_tokens: int) -> list[str]:
     return [
-        "--model-path", models[target],
-        "--speculative-draft-model-path", models[draft],
-        "--speculative-num-steps", steps,
-        "--speculative-eagle-topk", 1,
-        "--speculative-num-draft-tokens", draft_tokens,
-        "--max-running-requests", 16,
+        "--model-path",
+        models[target],
+        "--speculative-draft-model-path",
+        models[draft],
+        "--speculative-num-steps",
+        steps,
+        "--speculative-eagle-topk",
+        1,
+        "--speculative-num-draft-tokens",
+        draft_tokens,
+        "--max-running-requests",
+        16,
         "--enable-metrics",
     ]
 
 
-def dynamic_args(buffer: int) -> List[str]:
+def dynamic_args(buffer: int) -> list[str]:
     return [
-        "--speculative-algorithm", "EAGLE3_DYNAMIC",
-        "--speculative-disable-batch-threshold", 3,
-        "--speculative-min-dwell-steps", 0,
-        "--speculative-catch-up-tokens", buffer,
+        "--speculative-algorithm",
+        "EAGLE3_DYNAMIC",
+        "--speculative-disable-batch-threshold",
+        3,
+        "--speculative-min-dwell-steps",
+        0,
+        "--speculative-catch-up-tokens",
+        buffer,
     ]
 
 
-def serve(args, log: Path, env: Dict[str, str], waves=None, staggered=None):
+def serve(args, log: Path, env: dict[str, str], waves=None, staggered=None):
     """Run ``waves`` (or ``staggered`` requests) on a server; return (outputs by rid,
     plugin counters)."""
     with CpuServer(args, log_path=log, env=env) as server:
@@ -94,7 +103,7 @@ def serve(args, log: Path, env: Dict[str, str], waves=None, staggered=None):
     return {rid: out["output_ids"] for rid, out in outputs.items()}, counters
 
 
-def dumps_by_tokens(directory: Path) -> Dict[Tuple[int, ...], dict]:
+def dumps_by_tokens(directory: Path) -> dict[tuple[int, ...], dict]:
     return {
         tuple(record["token_ids"]): record
         for record in load_dumps(directory).values()
@@ -102,15 +111,15 @@ def dumps_by_tokens(directory: Path) -> Dict[Tuple[int, ...], dict]:
     }
 
 
-def started_as(tokens: Tuple[int, ...], requests) -> bool:
+def started_as(tokens: tuple[int, ...], requests) -> bool:
     return any(tokens[: len(r.input_ids)] == r.input_ids for r in requests)
 
 
-def is_long(tokens: Tuple[int, ...]) -> bool:
+def is_long(tokens: tuple[int, ...]) -> bool:
     return started_as(tokens, LONG)
 
 
-def kv_mismatches(a: dict, b: dict) -> List[int]:
+def kv_mismatches(a: dict, b: dict) -> list[int]:
     """Positions whose draft K or V rows differ by more than the tolerance."""
     assert a["k"].shape == b["k"].shape, (a["k"].shape, b["k"].shape)
     diff = torch.maximum((a["k"] - b["k"]).abs(), (a["v"] - b["v"]).abs())
@@ -135,7 +144,9 @@ def run_dynamic_with_dumps(tiny_models, tmp_path, env, buffer):
 
 
 @pytest.mark.parametrize("scheduler_env", [CI_ENV, OVERLAP_ENV], ids=["sync", "overlap"])
-def test_draft_kv_after_catch_up_equals_always_speculating(tiny_models, eagle3_draft_kv, tmp_path, scheduler_env):
+def test_draft_kv_after_catch_up_equals_always_speculating(
+    tiny_models, eagle3_draft_kv, tmp_path, scheduler_env
+):
     reference_outputs, reference_kv = eagle3_draft_kv
     outputs, counters, kv = run_dynamic_with_dumps(tiny_models, tmp_path, scheduler_env, BUFFER)
 
@@ -178,11 +189,19 @@ def test_draft_kv_with_mixed_chunks_equals_always_speculating(tiny_models, tmp_p
     reference_dir, dynamic_dir = tmp_path / "eagle3", tmp_path / "dynamic"
     reference_dir.mkdir()
     dynamic_dir.mkdir()
-    reference_outputs, _ = serve(["--speculative-algorithm", "EAGLE3", *common], reference_dir / "server.log",
-                                 {**CI_ENV, DUMP_DIR_ENV: str(reference_dir)}, staggered=STAGGERED)
+    reference_outputs, _ = serve(
+        ["--speculative-algorithm", "EAGLE3", *common],
+        reference_dir / "server.log",
+        {**CI_ENV, DUMP_DIR_ENV: str(reference_dir)},
+        staggered=STAGGERED,
+    )
     mixed = ["--enable-mixed-chunk", "--chunked-prefill-size", 32]
-    outputs, counters = serve([*dynamic_args(BUFFER), *common, *mixed], dynamic_dir / "server.log",
-                              {**CI_ENV, DUMP_DIR_ENV: str(dynamic_dir)}, staggered=STAGGERED)
+    outputs, counters = serve(
+        [*dynamic_args(BUFFER), *common, *mixed],
+        dynamic_dir / "server.log",
+        {**CI_ENV, DUMP_DIR_ENV: str(dynamic_dir)},
+        staggered=STAGGERED,
+    )
 
     assert outputs == reference_outputs
     assert counters.steps_plain > 0 and sum(counters.catch_ups.values()) >= 1, counters

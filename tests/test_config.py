@@ -56,14 +56,18 @@ def test_bad_values_name_the_flag_and_what_is_accepted(values, flag):
     assert "non-negative integer" in msg
 
 
-@pytest.mark.parametrize("raw, expected", [(None, 32), ("", 32), ("0", 0), ("1", 1), ("128", 128), ("4096", 4096)])
+@pytest.mark.parametrize(
+    "raw, expected", [(None, 32), ("", 32), ("0", 0), ("1", 1), ("128", 128), ("4096", 4096)]
+)
 def test_catch_up_buffer_size(raw, expected):
     environ = {} if raw is None else {CATCH_UP_TOKENS.env: raw}
     assert catch_up_tokens_from_environ(environ) == expected
 
 
-@pytest.mark.parametrize("raw, accepted", [("-1", "non-negative integer"), ("x", "non-negative integer"),
-                                           ("4097", "between 0 and 4096")])
+@pytest.mark.parametrize(
+    "raw, accepted",
+    [("-1", "non-negative integer"), ("x", "non-negative integer"), ("4097", "between 0 and 4096")],
+)
 def test_bad_catch_up_buffer_size_names_the_flag(raw, accepted):
     with pytest.raises(ConfigError) as e:
         catch_up_tokens_from_environ({CATCH_UP_TOKENS.env: raw})
@@ -87,7 +91,9 @@ def test_disable_threshold_below_2_is_refused(n):
         thresholds_from_environ(env(n=n))
 
 
-@pytest.mark.parametrize("raw, expected", [("", True), ("1", True), ("on", True), ("0", False), ("No", False)])
+@pytest.mark.parametrize(
+    "raw, expected", [("", True), ("1", True), ("on", True), ("0", False), ("No", False)]
+)
 def test_boolean_environment_variables(raw, expected):
     assert config.env_bool("X", True, {"X": raw}) is expected
 

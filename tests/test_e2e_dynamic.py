@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Dict, List
 
 import pytest
 
-from sglang_dynspec.testbed.server import CpuServer, wait_until_idle
-from sglang_dynspec.testbed.workload import (
+from dynspec_testbed.server import CpuServer, wait_until_idle
+from dynspec_testbed.workload import (
     compare_outputs,
     plugin_counters,
     random_requests,
@@ -54,8 +53,12 @@ REGEX = split_into_waves(
         6,
         seed=15,
         prefix="re",
-        extra={"sampling_params": {"regex": "(the|quick|brown|fox|dog)( (the|quick|brown|fox|dog)){3,9}",
-                                   "ignore_eos": False}},
+        extra={
+            "sampling_params": {
+                "regex": "(the|quick|brown|fox|dog)( (the|quick|brown|fox|dog)){3,9}",
+                "ignore_eos": False,
+            }
+        },
     ),
     [6],
 )
@@ -67,8 +70,8 @@ RANDOM_PAIR_SETS = {
 }
 
 
-def run_sets(url: str, sets: Dict[str, list], staggered: bool) -> Dict[str, dict]:
-    results: Dict[str, dict] = {}
+def run_sets(url: str, sets: dict[str, list], staggered: bool) -> dict[str, dict]:
+    results: dict[str, dict] = {}
     for waves in sets.values():
         results.update(run_waves(url, waves))
     if staggered:
@@ -77,36 +80,56 @@ def run_sets(url: str, sets: Dict[str, list], staggered: bool) -> Dict[str, dict
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_models, tmp_path_factory) -> Dict[str, Dict[str, dict]]:
+def reference(tiny_models, tmp_path_factory) -> dict[str, dict[str, dict]]:
     """Greedy outputs of non-speculative servers: random target and agreeing target."""
     logs = tmp_path_factory.mktemp("reference-logs")
     out = {}
     with CpuServer(["--model-path", tiny_models["target"]], log_path=logs / "random.log", env=CI_ENV) as s:
         out["random"] = run_sets(s.url, RANDOM_PAIR_SETS, staggered=True)
-    with CpuServer(["--model-path", tiny_models["target-agree"]], log_path=logs / "agree.log", env=CI_ENV) as s:
+    with CpuServer(
+        ["--model-path", tiny_models["target-agree"]], log_path=logs / "agree.log", env=CI_ENV
+    ) as s:
         out["agree"] = {**run_waves(s.url, WAVES), **run_waves(s.url, CRASH_WAVES)}
     return out
 
 
-def dynamic_args(models, pair: str, *, steps: int, topk: int, draft_tokens: int,
-                 disable_above: int, dwell: int, extra: List[str] = ()) -> List[str]:
+def dynamic_args(
+    models,
+    pair: str,
+    *,
+    steps: int,
+    topk: int,
+    draft_tokens: int,
+    disable_above: int,
+    dwell: int,
+    extra: list[str] = (),
+) -> list[str]:
     target, draft = ("target", "draft") if pair == "random" else ("target-agree", "draft-agree")
     return [
-        "--model-path", models[target],
-        "--speculative-algorithm", "EAGLE3_DYNAMIC",
-        "--speculative-draft-model-path", models[draft],
-        "--speculative-num-steps", steps,
-        "--speculative-eagle-topk", topk,
-        "--speculative-num-draft-tokens", draft_tokens,
-        "--speculative-disable-batch-threshold", disable_above,
-        "--speculative-min-dwell-steps", dwell,
-        "--max-running-requests", 16,
+        "--model-path",
+        models[target],
+        "--speculative-algorithm",
+        "EAGLE3_DYNAMIC",
+        "--speculative-draft-model-path",
+        models[draft],
+        "--speculative-num-steps",
+        steps,
+        "--speculative-eagle-topk",
+        topk,
+        "--speculative-num-draft-tokens",
+        draft_tokens,
+        "--speculative-disable-batch-threshold",
+        disable_above,
+        "--speculative-min-dwell-steps",
+        dwell,
+        "--max-running-requests",
+        16,
         "--enable-metrics",
         *extra,
     ]
 
 
-def assert_identical(reference: Dict[str, dict], got: Dict[str, dict]) -> None:
+def assert_identical(reference: dict[str, dict], got: dict[str, dict]) -> None:
     mismatches = compare_outputs({k: reference[k] for k in got}, got)
     tokens = sum(len(r["output_ids"]) for r in got.values())
     assert not mismatches, (
@@ -132,7 +155,13 @@ def test_sync_topk4_random_pair_crash_scenario_retraction_mixed_chunk(tiny_model
     mix prefill chunks with decode."""
     log = tmp_path / "server.log"
     args = dynamic_args(
-        tiny_models, "random", steps=5, topk=4, draft_tokens=16, disable_above=5, dwell=0,
+        tiny_models,
+        "random",
+        steps=5,
+        topk=4,
+        draft_tokens=16,
+        disable_above=5,
+        dwell=0,
         extra=["--max-total-tokens", "600", "--enable-mixed-chunk", "--chunked-prefill-size", "32"],
     )
     # Whether the small pool runs out depends on how requests interleave; SGLang's own

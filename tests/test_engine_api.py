@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-from sglang_dynspec.testbed.serve import server_environment
+from dynspec_testbed.serve import server_environment
 
 pytestmark = pytest.mark.server
 
@@ -24,7 +24,7 @@ SCRIPT = """
 import json, sys
 import sglang
 from sglang.srt.runtime_context import override_platform
-from sglang_dynspec.testbed.workload import random_requests
+from dynspec_testbed.workload import random_requests
 
 models = json.loads(sys.argv[1])
 requests = random_requests(6, seed=21, prefix="engine")
@@ -35,7 +35,7 @@ common = dict(device="cpu", attention_backend="intel_amx", dtype="float32", disa
               max_running_requests=8, log_level="info")
 
 def run(**kwargs):
-    with override_platform(has_amx=True):  # keep intel_amx on a CPU without AMX (see testbed.serve)
+    with override_platform(has_amx=True):  # keep intel_amx on a CPU without AMX (see dynspec_testbed.serve)
         engine = sglang.Engine(**common, **kwargs)
     try:
         return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
@@ -53,16 +53,23 @@ print("RESULT", json.dumps({"reference": reference, "dynamic": dynamic}))
 def test_engine_api_switches_and_matches_non_speculative(tiny_models, tmp_path):
     env = server_environment(dict(os.environ))
     # The Engine API has no command line: the plugin reads its settings from these.
-    env.update(SGLANG_DYNSPEC_DISABLE_BATCH_THRESHOLD="2", SGLANG_DYNSPEC_MIN_DWELL_STEPS="0",
-               SGLANG_IS_IN_CI="1")
+    env.update(
+        SGLANG_DYNSPEC_DISABLE_BATCH_THRESHOLD="2", SGLANG_DYNSPEC_MIN_DWELL_STEPS="0", SGLANG_IS_IN_CI="1"
+    )
     models = {k: str(v) for k, v in tiny_models.items()}
     log = tmp_path / "engine.log"
     with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "-c", textwrap.dedent(SCRIPT), json.dumps(models)], env=env,
-                              stdout=subprocess.PIPE, stderr=f, text=True, timeout=900)
+        proc = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(SCRIPT), json.dumps(models)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=f,
+            text=True,
+            timeout=900,
+        )
     text = log.read_text()
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, text[-4000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = json.loads(lines[-1][len("RESULT ") :])
     assert result["dynamic"] == result["reference"]
     assert "[sglang-dynspec] spec -> plain" in text, "the engine never switched to plain decode"

@@ -23,10 +23,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import schedule_batches  # noqa: F401  (sets up the CPU import of SGLang first)
 import torch
 from hypothesis import HealthCheck, given, note, settings
-
-import schedule_batches  # noqa: F401  (sets up the CPU import of SGLang first)
 from schedule_batches import (
     SpecDecodeCase,
     build_spec_decode_batch,
@@ -35,6 +34,7 @@ from schedule_batches import (
     spec_decode_cases,
     tensor_attributes,
 )
+
 from sglang_dynspec import fresh_batch
 from sglang_dynspec.compat import ForwardMode
 
@@ -119,9 +119,7 @@ def test_no_draft_sized_tensor_in_plain_batch(case):
 
     tensors = tensor_attributes(plain)
     assert {"input_ids", "out_cache_loc", "seq_lens", "req_pool_indices"} <= {n for n, _ in tensors}
-    leftovers = [
-        f"{name}{tuple(t.shape)}" for name, t in tensors if set(t.shape) & case.draft_sized_dims
-    ]
+    leftovers = [f"{name}{tuple(t.shape)}" for name, t in tensors if set(t.shape) & case.draft_sized_dims]
     assert not leftovers, f"{leftovers}; draft sizes {sorted(case.draft_sized_dims)}"
     for name, t in tensors:
         assert set(t.shape) <= {case.batch_size, 1}, f"{name}{tuple(t.shape)}"

@@ -49,12 +49,55 @@ SERVING_MODULES = sorted(PACKAGE.glob("*.py"))
 @functools.lru_cache(maxsize=1)
 def _library_names() -> frozenset[str]:
     objects = [
-        builtins, object, type, list, dict, str, int, float, tuple, set, frozenset, bool, Exception,
-        torch, torch.Tensor, torch.cuda, torch.cuda.Event, torch.device, torch.dtype,
-        logging, logging.Logger, contextlib, contextlib.ExitStack, itertools, functools, inspect,
-        inspect.Signature, re, re.Pattern, re.Match, os, os.path, json, argparse, argparse.ArgumentParser,
-        argparse._ArgumentGroup, argparse.Action, argparse.Namespace, enum, enum.Enum, dataclasses, time,
-        copy, abc, collections.abc, itertools.chain, typing, importlib.metadata, prometheus_client,
+        builtins,
+        object,
+        type,
+        list,
+        dict,
+        str,
+        int,
+        float,
+        tuple,
+        set,
+        frozenset,
+        bool,
+        Exception,
+        torch,
+        torch.Tensor,
+        torch.cuda,
+        torch.cuda.Event,
+        torch.device,
+        torch.dtype,
+        logging,
+        logging.Logger,
+        contextlib,
+        contextlib.ExitStack,
+        itertools,
+        functools,
+        inspect,
+        inspect.Signature,
+        re,
+        re.Pattern,
+        re.Match,
+        os,
+        os.path,
+        json,
+        argparse,
+        argparse.ArgumentParser,
+        argparse._ArgumentGroup,
+        argparse.Action,
+        argparse.Namespace,
+        enum,
+        enum.Enum,
+        dataclasses,
+        time,
+        copy,
+        abc,
+        collections.abc,
+        itertools.chain,
+        typing,
+        importlib.metadata,
+        prometheus_client,
     ]
     registry = prometheus_client.CollectorRegistry()
     objects += [
@@ -95,9 +138,14 @@ def scan(sources: dict[str, str]) -> tuple[set[str], set[str], set[str]]:
         for node in _walk(ast.parse(source)):
             if isinstance(node, ast.Attribute):
                 used.add(node.attr)
-                if isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name) and node.value.id in (
-                    "self",
-                    "cls",
+                if (
+                    isinstance(node.ctx, ast.Store)
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id
+                    in (
+                        "self",
+                        "cls",
+                    )
                 ):
                     own.add(node.attr)
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -149,7 +197,11 @@ def test_only_the_adapter_imports_sglang():
                 modules = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module:
                 modules = [node.module]
-            offenders += [f"{path.relative_to(PACKAGE)}: {m}" for m in modules if m.split(".")[0] in ("sglang", "sgl_kernel")]
+            offenders += [
+                f"{path.relative_to(PACKAGE)}: {m}"
+                for m in modules
+                if m.split(".")[0] in ("sglang", "sgl_kernel")
+            ]
     assert offenders == []
 
 
@@ -177,7 +229,9 @@ def test_the_table_resolves_against_the_installed_sglang():
 
 def test_a_missing_symbol_is_named_with_its_owner():
     table = (
-        compat.HostSymbols(compat.ScheduleBatch, ("seq_lens", "no_such_field", "gone_too|seq_lens", "optional?")),
+        compat.HostSymbols(
+            compat.ScheduleBatch, ("seq_lens", "no_such_field", "gone_too|seq_lens", "optional?")
+        ),
         compat.HostSymbols(compat.EAGLEWorkerV2, ("target_worker", "neither|nor")),
     )
     assert compat.missing_host_symbols(table) == ["ScheduleBatch.no_such_field", "EAGLEWorkerV2.neither|nor"]

@@ -18,8 +18,11 @@ from sglang_dynspec.plain_step import finish_plain_result
 
 
 def fake_runner():
-    return types.SimpleNamespace(decode_cuda_graph_runner="verify-graph", attn_backend="verify-backend",
-                                 **{compat.READ_DONE_EVENT: "stale-event-from-a-verify-replay"})
+    return types.SimpleNamespace(
+        decode_cuda_graph_runner="verify-graph",
+        attn_backend="verify-backend",
+        **{compat.READ_DONE_EVENT: "stale-event-from-a-verify-replay"},
+    )
 
 
 def test_graph_swap_uses_the_plain_graph_and_restores_on_error():
@@ -47,14 +50,21 @@ def test_plain_result_is_spec_shaped_and_carries_the_draft_state():
 
     bs, topk, hidden = 3, 2, 8
     previous = compat.EagleDraftInput(
-        bonus_tokens=torch.tensor([5, 6, 7]), topk_p=torch.rand(bs, topk),
-        topk_index=torch.randint(0, 100, (bs, topk)), hidden_states=torch.rand(bs, hidden),
+        bonus_tokens=torch.tensor([5, 6, 7]),
+        topk_p=torch.rand(bs, topk),
+        topk_index=torch.randint(0, 100, (bs, topk)),
+        hidden_states=torch.rand(bs, hidden),
     )
-    plain = types.SimpleNamespace(seq_lens=torch.tensor([11, 21, 31]), return_logprob=True,
-                                  input_ids=torch.tensor([5, 6, 7]), out_cache_loc=torch.tensor([1, 2, 3]))
+    plain = types.SimpleNamespace(
+        seq_lens=torch.tensor([11, 21, 31]),
+        return_logprob=True,
+        input_ids=torch.tensor([5, 6, 7]),
+        out_cache_loc=torch.tensor([1, 2, 3]),
+    )
     out = GenerationBatchResult(
-        logits_output=LogitsProcessorOutput(next_token_logits=torch.rand(bs, 100),
-                                            next_token_logprobs=torch.rand(bs)),
+        logits_output=LogitsProcessorOutput(
+            next_token_logits=torch.rand(bs, 100), next_token_logprobs=torch.rand(bs)
+        ),
         next_token_ids=torch.tensor([8, 9, 10]),
     )
     result = finish_plain_result(out, plain, previous)

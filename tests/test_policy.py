@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from sglang_dynspec.controller import ModeController
-from sglang_dynspec.policy import Mode, ThresholdPolicy, SwitchThresholds
+from sglang_dynspec.policy import Mode, SwitchThresholds, ThresholdPolicy
 
 
 def run(controller: ModeController, sizes) -> list[Mode]:
@@ -106,9 +106,7 @@ class SwitchingMachine(RuleBasedStateMachine):
         self.prev_mode = Mode.SPEC
 
     def _step(self, bs: int) -> None:
-        steps_since_switch = (
-            len(self.modes) - self.switch_steps[-1] if self.switch_steps else None
-        )
+        steps_since_switch = len(self.modes) - self.switch_steps[-1] if self.switch_steps else None
         dwell_allows = steps_since_switch is None or steps_since_switch >= self.t.min_dwell_steps
         mode = self.controller.before_decode(bs)
         self.controller.after_decode(mode)

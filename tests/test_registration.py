@@ -16,9 +16,8 @@ import textwrap
 
 import pytest
 
+from dynspec_testbed.serve import server_environment
 from sglang_dynspec import config
-from sglang_dynspec.testbed.serve import server_environment
-
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +46,22 @@ def test_algorithm_answers_every_query_as_eagle3(plugin_loaded):
     assert type(algo).__mro__[1].__name__ == "CustomSpecAlgo"
     checked = []
     for name, member in vars(SpeculativeAlgorithm).items():
-        if name.startswith(("is_", "supports_")) or name in ("need_topk", "carries_draft_hidden_states",
-                                                               "has_draft_kv"):
+        if name.startswith(("is_", "supports_")) or name in (
+            "need_topk",
+            "carries_draft_hidden_states",
+            "has_draft_kv",
+        ):
             if inspect.isfunction(member) and len(inspect.signature(member).parameters) == 1:
                 assert getattr(algo, name)() == getattr(eagle3, name)(), name
                 checked.append(name)
-    assert {"is_eagle", "is_eagle3", "supports_grammar_overlap", "supports_mixed_chunk",
-            "need_topk", "carries_draft_hidden_states"} <= set(checked)
+    assert {
+        "is_eagle",
+        "is_eagle3",
+        "supports_grammar_overlap",
+        "supports_mixed_chunk",
+        "need_topk",
+        "carries_draft_hidden_states",
+    } <= set(checked)
     assert algo.name == "EAGLE3_DYNAMIC" and algo.supports_overlap
 
 
@@ -82,13 +90,25 @@ def test_factory_returns_the_dynamic_worker(plugin_loaded, clean_flag_env):
 
 # ----------------------------------------------------------------- resolution
 TARGET_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
-    "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-5, "torch_dtype": "float32",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "float32",
 }
-DRAFT_CONFIG = {**TARGET_CONFIG, "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
-                "draft_vocab_size": 512, "target_hidden_size": 256}
+DRAFT_CONFIG = {
+    **TARGET_CONFIG,
+    "architectures": ["LlamaForCausalLMEagle3"],
+    "num_hidden_layers": 1,
+    "draft_vocab_size": 512,
+    "target_hidden_size": 256,
+}
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +129,16 @@ def _remember_dirs(model_dirs):
 
 
 def _argv(algorithm="EAGLE3_DYNAMIC", extra=(), draft="draft"):
-    argv = ["--model-path", _model_dirs["target"], "--device", "cpu", "--attention-backend", "intel_amx",
-            "--speculative-algorithm", algorithm]
+    argv = [
+        "--model-path",
+        _model_dirs["target"],
+        "--device",
+        "cpu",
+        "--attention-backend",
+        "intel_amx",
+        "--speculative-algorithm",
+        algorithm,
+    ]
     if draft:
         argv += ["--speculative-draft-model-path", _model_dirs[draft]]
     return argv + list(extra)
@@ -127,8 +155,14 @@ def _resolve(extra=(), algorithm="EAGLE3_DYNAMIC", draft="draft"):
     return server_args
 
 
-RESOLVED_FIELDS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
-                   "max_running_requests", "disable_overlap_schedule", "enable_mixed_chunk")
+RESOLVED_FIELDS = (
+    "speculative_num_steps",
+    "speculative_eagle_topk",
+    "speculative_num_draft_tokens",
+    "max_running_requests",
+    "disable_overlap_schedule",
+    "enable_mixed_chunk",
+)
 
 
 def _resolved(server_args):
@@ -142,9 +176,25 @@ def _resolved(server_args):
     "extra",
     [
         [],  # automatic steps / topk / draft tokens, default max running requests
-        ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "8"],
-        ["--speculative-num-steps", "5", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "16",
-         "--max-running-requests", "64", "--enable-mixed-chunk"],
+        [
+            "--speculative-num-steps",
+            "3",
+            "--speculative-eagle-topk",
+            "1",
+            "--speculative-num-draft-tokens",
+            "8",
+        ],
+        [
+            "--speculative-num-steps",
+            "5",
+            "--speculative-eagle-topk",
+            "4",
+            "--speculative-num-draft-tokens",
+            "16",
+            "--max-running-requests",
+            "64",
+            "--enable-mixed-chunk",
+        ],
     ],
 )
 def test_resolves_exactly_like_eagle3(plugin_loaded, clean_flag_env, extra):
@@ -155,8 +205,16 @@ def test_resolves_exactly_like_eagle3(plugin_loaded, clean_flag_env, extra):
 
 
 def test_flags_reach_the_environment(plugin_loaded, clean_flag_env):
-    _resolve(["--speculative-disable-batch-threshold", "40", "--speculative-enable-batch-threshold", "30",
-              "--speculative-min-dwell-steps", "4"])
+    _resolve(
+        [
+            "--speculative-disable-batch-threshold",
+            "40",
+            "--speculative-enable-batch-threshold",
+            "30",
+            "--speculative-min-dwell-steps",
+            "4",
+        ]
+    )
     t = config.thresholds_from_environ()
     assert (t.disable_above, t.enable_at_or_below, t.min_dwell_steps) == (40, 30, 4)
 
@@ -183,8 +241,10 @@ def test_non_integer_flag_is_an_argparse_error_naming_it(plugin_loaded, clean_fl
 @pytest.mark.parametrize(
     "extra, expected",
     [
-        (["--speculative-disable-batch-threshold", "8", "--speculative-enable-batch-threshold", "8"],
-         "--speculative-enable-batch-threshold (8) must be at least 1 and below --speculative-disable-batch-threshold (8)"),
+        (
+            ["--speculative-disable-batch-threshold", "8", "--speculative-enable-batch-threshold", "8"],
+            "--speculative-enable-batch-threshold (8) must be at least 1 and below --speculative-disable-batch-threshold (8)",
+        ),
         (["--speculative-adaptive"], "--speculative-adaptive"),
         (["--enable-two-batch-overlap"], "--enable-two-batch-overlap"),
         (["--enable-pdmux"], "--enable-pdmux"),
@@ -213,8 +273,13 @@ def test_bad_environment_value_is_refused(plugin_loaded, clean_flag_env):
 # ------------------------------------------------------- fresh interpreters
 def _fresh_python(code: str, env_extra=None, timeout=300):
     env = server_environment({**os.environ, **(env_extra or {})})
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 RESOLVE_EAGLE3 = """
@@ -247,7 +312,7 @@ def test_entry_point_discovery_and_stock_eagle3_unchanged(model_dirs):
         proc = _fresh_python(code, env)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-        return json.loads(lines[-1][len("RESULT "):])
+        return json.loads(lines[-1][len("RESULT ") :])
 
     with_plugin = result({})
     without_plugin = result({"SGLANG_DYNSPEC_ENABLED": "0"})
@@ -259,12 +324,16 @@ def test_entry_point_discovery_and_stock_eagle3_unchanged(model_dirs):
 SGLANG_CLI = os.path.join(os.path.dirname(sys.executable), "sglang")  # the `sglang` console script
 
 
-@pytest.mark.parametrize("launcher", [[sys.executable, "-m", "sglang.launch_server"], [SGLANG_CLI, "serve"]],
-                         ids=["launch_server", "sglang_serve"])
+@pytest.mark.parametrize(
+    "launcher",
+    [[sys.executable, "-m", "sglang.launch_server"], [SGLANG_CLI, "serve"]],
+    ids=["launch_server", "sglang_serve"],
+)
 def test_launchers_refuse_bad_input_before_loading_weights(model_dirs, launcher):
     """Through the real launchers: a bad flag value fails at start-up, naming the flag."""
-    argv = _argv(extra=["--speculative-disable-batch-threshold", "4",
-                        "--speculative-enable-batch-threshold", "9"])
+    argv = _argv(
+        extra=["--speculative-disable-batch-threshold", "4", "--speculative-enable-batch-threshold", "9"]
+    )
     env = server_environment(dict(os.environ))
     proc = subprocess.run([*launcher, *argv], env=env, capture_output=True, text=True, timeout=300)
     output = proc.stdout + proc.stderr

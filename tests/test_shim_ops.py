@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_dynspec.testbed import SHIM_DIR
+from dynspec_testbed import SHIM_DIR
 
 QLEN_ONLY, FULL_MASK = 1, 0
 
@@ -114,9 +114,7 @@ def test_assign_req_to_token_pool_scatters_packed_slots_into_rows():
         torch.tensor([10, 11, 12], dtype=torch.int64),
         6,
     )
-    expected = torch.tensor(
-        [[0, 0, 0, 12, 0, 0], [0] * 6, [0, 10, 11, 0, 0, 0]], dtype=torch.int32
-    )
+    expected = torch.tensor([[0, 0, 0, 12, 0, 0], [0] * 6, [0, 10, 11, 0, 0, 0]], dtype=torch.int32)
     assert torch.equal(req_to_token, expected)
 
 
@@ -169,9 +167,7 @@ def test_build_draft_decode_metadata_expands_each_candidate_row():
     # Request row 0: prefix slots 100..102, candidate 0 drafts 103 104, candidate 1 drafts 105 106.
     req_to_token = torch.zeros(2, 8, dtype=torch.int32)
     req_to_token[1, :7] = torch.tensor([100, 101, 102, 103, 104, 105, 106])
-    table = shim.build_draft_decode_metadata_cpu(
-        req_to_token, torch.tensor([1]), torch.tensor([3]), 2, 2, 8
-    )
+    table = shim.build_draft_decode_metadata_cpu(req_to_token, torch.tensor([1]), torch.tensor([3]), 2, 2, 8)
     assert table.shape == (2, 8) and table.dtype == torch.int32
     assert table[0, :5].tolist() == [100, 101, 102, 103, 104]
     assert table[1, :5].tolist() == [100, 101, 102, 105, 106]
@@ -327,7 +323,7 @@ def draft_trees(draw):
                 )
             )
 
-        def parent_slot(slot):
+        def parent_slot(slot, parent_list=parent_list):
             return None if slot < topk else parent_list[slot // topk]
 
         chosen = set()
@@ -340,9 +336,7 @@ def draft_trees(draw):
             chosen.add(draw(st.sampled_from(open_slots)))
         selected = sorted(chosen)
         node_of = {slot: i + 1 for i, slot in enumerate(selected)}
-        tree = [-1] + [
-            0 if parent_slot(slot) is None else node_of[parent_slot(slot)] for slot in selected
-        ]
+        tree = [-1] + [0 if parent_slot(slot) is None else node_of[parent_slot(slot)] for slot in selected]
         parent_lists.append(parent_list)
         selected_lists.append(selected)
         parents.append(tree)
@@ -532,9 +526,21 @@ def test_decode_attention_stores_new_kv_and_matches_sdpa(dtype):
     o = torch.empty(2, HEADS, HEAD_DIM)
 
     shim.decode_attention_cpu(
-        q, k_buffer, v_buffer, None, None, o, new_k, new_v, cache_loc,
-        attn_logits=None, req_to_token=req_to_token, req_pool_indices=rows,
-        seq_lens=seq_lens, scaling=SCALING, logit_cap=0.0,
+        q,
+        k_buffer,
+        v_buffer,
+        None,
+        None,
+        o,
+        new_k,
+        new_v,
+        cache_loc,
+        attn_logits=None,
+        req_to_token=req_to_token,
+        req_pool_indices=rows,
+        seq_lens=seq_lens,
+        scaling=SCALING,
+        logit_cap=0.0,
     )
 
     stored_k = new_k.view(2, KV_HEADS, HEAD_DIM).to(dtype)
@@ -564,14 +570,24 @@ def _run_extend(ext_lens, pass_new_kv=True, tree_mask=None, is_causal=True):
     q = torch.randn(sum(ext_lens), HEADS, HEAD_DIM)
     o = torch.empty_like(q)
     shim.extend_attention_cpu(
-        q, new_k if pass_new_kv else None, new_v if pass_new_kv else None, o,
-        k_buffer, v_buffer, None, None, req_to_token,
+        q,
+        new_k if pass_new_kv else None,
+        new_v if pass_new_kv else None,
+        o,
+        k_buffer,
+        v_buffer,
+        None,
+        None,
+        req_to_token,
         req_pool_indices=torch.tensor(EXTEND_ROWS),
         seq_lens=torch.tensor(EXTEND_SEQ_LENS),
         extend_seq_lens=torch.tensor(ext_lens),
         extend_start_loc=torch.tensor(starts),
-        max_len_extend=max(ext_lens), scaling=SCALING, logit_cap=0.0,
-        tree_mask=tree_mask, is_causal=is_causal,
+        max_len_extend=max(ext_lens),
+        scaling=SCALING,
+        logit_cap=0.0,
+        tree_mask=tree_mask,
+        is_causal=is_causal,
     )
 
     def reference(block_masks):
@@ -633,16 +649,33 @@ def test_decode_attention_logit_cap_sinks_and_sliding_window_match_naive_loops()
     sinks = torch.tensor([0.5, -1.0])
     o = torch.empty(1, 2, HEAD_DIM)
     shim.decode_attention_cpu(
-        q, k_buffer, v_buffer, None, None, o, None, None, None,
-        attn_logits=None, req_to_token=req_to_token, req_pool_indices=torch.tensor([0]),
-        seq_lens=torch.tensor([seq_len]), scaling=SCALING, logit_cap=logit_cap,
-        sliding_window_plus1=window + 1, sinks=sinks,
+        q,
+        k_buffer,
+        v_buffer,
+        None,
+        None,
+        o,
+        None,
+        None,
+        None,
+        attn_logits=None,
+        req_to_token=req_to_token,
+        req_pool_indices=torch.tensor([0]),
+        seq_lens=torch.tensor([seq_len]),
+        scaling=SCALING,
+        logit_cap=logit_cap,
+        sliding_window_plus1=window + 1,
+        sinks=sinks,
     )
     slots = req_to_token[0, :seq_len].long()
     for head in range(2):
         want = _naive_attention(
-            q[0, head], k_buffer[slots, 0], v_buffer[slots, 0], logit_cap,
-            visible=lambda j: j >= seq_len - 1 - window, sink=float(sinks[head]),
+            q[0, head],
+            k_buffer[slots, 0],
+            v_buffer[slots, 0],
+            logit_cap,
+            visible=lambda j: j >= seq_len - 1 - window,
+            sink=float(sinks[head]),
         )
         torch.testing.assert_close(o[0, head], want, rtol=1e-5, atol=1e-5)
 

@@ -15,7 +15,9 @@ from sglang_dynspec.prometheus_export import PrometheusExport
 
 
 def controller(*sinks) -> ModeController:
-    return ModeController(ThresholdPolicy(SwitchThresholds(disable_above=3, enable_at_or_below=1, min_dwell_steps=0)), sinks)
+    return ModeController(
+        ThresholdPolicy(SwitchThresholds(disable_above=3, enable_at_or_below=1, min_dwell_steps=0)), sinks
+    )
 
 
 def drive(c: ModeController, sizes, accept_lens=None):

@@ -1,11 +1,11 @@
-"""Tests of the test bed's tiny models (``sglang_dynspec.testbed.models``)."""
+"""Tests of the test bed's tiny models (``dynspec_testbed.models``)."""
 
 import json
 
 import torch
 from safetensors.torch import load_file
 
-from sglang_dynspec.testbed.models import (
+from dynspec_testbed.models import (
     AGREE_TOKEN,
     AUX_LAYER_IDS,
     MARKER_FILE,
@@ -16,11 +16,7 @@ from sglang_dynspec.testbed.models import (
 
 
 def _file_bytes(paths):
-    return {
-        (name, f.name): f.read_bytes()
-        for name, root in paths.items()
-        for f in sorted(root.iterdir())
-    }
+    return {(name, f.name): f.read_bytes() for name, root in paths.items() for f in sorted(root.iterdir())}
 
 
 def test_rebuild_replaces_a_half_written_dir_with_identical_files(tiny_models, tmp_path):

@@ -9,31 +9,32 @@ import textwrap
 import pytest
 import torch
 
-from sglang_dynspec.testbed import SHIM_DIR
-from sglang_dynspec.testbed.plugin import (
+from dynspec_testbed import SHIM_DIR, serve
+from dynspec_testbed.plugin import (
     OVERLAP_ENV,
     TESTBED_ENV,
-    env_flag,
     gather_spec_extras_torch,
     overlap_requested,
 )
-from sglang_dynspec.testbed import serve
-from sglang_dynspec.testbed.serve import MODULE, server_environment, with_cpu_defaults
+from dynspec_testbed.serve import MODULE, server_environment, with_cpu_defaults
+from sglang_dynspec.config import ConfigError
 
 
 @pytest.mark.parametrize(
     "raw, expected",
-    [("1", True), ("yes", True), (" True ", True), ("0", False), ("", False), ("no", False)],
+    [("1", True), ("yes", True), (" On ", True), ("0", False), ("", False), ("off", False)],
 )
-def test_env_flag_parses_booleans(monkeypatch, raw, expected):
-    monkeypatch.setenv("SOME_FLAG", raw)
-    assert env_flag("SOME_FLAG") is expected
+def test_overlap_flag_is_read_with_the_plugins_boolean_parser(monkeypatch, raw, expected):
+    monkeypatch.setenv(TESTBED_ENV, "1")
+    monkeypatch.setenv(OVERLAP_ENV, raw)
+    assert overlap_requested() is expected
 
 
-def test_env_flag_rejects_garbage_naming_the_variable(monkeypatch):
-    monkeypatch.setenv("SOME_FLAG", "maybe")
-    with pytest.raises(ValueError, match="SOME_FLAG='maybe'"):
-        env_flag("SOME_FLAG")
+def test_a_malformed_overlap_flag_fails_the_launcher_naming_the_variable(monkeypatch):
+    monkeypatch.setenv(OVERLAP_ENV, "maybe")
+    monkeypatch.setattr(serve.os, "execve", lambda *args: pytest.fail("re-executed"))
+    with pytest.raises(ConfigError, match=f"{OVERLAP_ENV}='maybe'"):
+        serve.main(["--model-path", "m"])
 
 
 def test_overlap_needs_both_the_testbed_and_the_overlap_variable(monkeypatch):
@@ -77,10 +78,8 @@ def test_stand_in_check_requires_the_shim_first_on_the_path(with_shim):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if with_shim:
         env = server_environment(env)
-    check = "from sglang_dynspec.testbed.serve import _check_stand_in_shadows_wheel as c; c()"
-    proc = subprocess.run(
-        [sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120
-    )
+    check = "from dynspec_testbed.serve import _check_stand_in_shadows_wheel as c; c()"
+    proc = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120)
     assert (proc.returncode == 0) is with_shim, proc.stderr[-2000:]
     if not with_shim:
         assert "not the test-bed stand-in" in proc.stderr
@@ -162,7 +161,7 @@ _RESOLVE_PROBE = textwrap.dedent(
     from sglang.srt.plugins import load_plugins
     from sglang.srt.runtime_context import override_platform
     from sglang.srt.server_args import prepare_server_args
-    from sglang_dynspec.testbed.serve import with_cpu_defaults
+    from dynspec_testbed.serve import with_cpu_defaults
 
     load_plugins()
     models = sys.argv[1]

@@ -12,9 +12,9 @@ outputs are recorded first and every later server is compared with them.
 import pytest
 import torch
 
-from sglang_dynspec.testbed.models import AGREE_TOKEN
-from sglang_dynspec.testbed.plugin import OVERLAP_ENV
-from sglang_dynspec.testbed.server import (
+from dynspec_testbed.models import AGREE_TOKEN
+from dynspec_testbed.plugin import OVERLAP_ENV
+from dynspec_testbed.server import (
     CpuServer,
     generate,
     generate_concurrently,
@@ -30,10 +30,14 @@ PROMPTS = [
 NEW_TOKENS = 16
 # topk 1, 3 draft steps, 4 verify tokens (3 drafts + the bonus token).
 EAGLE3_ARGS = [
-    "--speculative-algorithm", "EAGLE3",
-    "--speculative-num-steps", "3",
-    "--speculative-eagle-topk", "1",
-    "--speculative-num-draft-tokens", "4",
+    "--speculative-algorithm",
+    "EAGLE3",
+    "--speculative-num-steps",
+    "3",
+    "--speculative-eagle-topk",
+    "1",
+    "--speculative-num-draft-tokens",
+    "4",
 ]
 
 
@@ -87,8 +91,13 @@ def test_plain_server_matches_hf_transformers_greedy(plain_outputs, tiny_models)
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_eagle3_output_equals_non_speculative(plain_outputs, tiny_models, tmp_path, overlap):
     log = tmp_path / "server.log"
-    args = ["--model-path", tiny_models["target"],
-            "--speculative-draft-model-path", tiny_models["draft"], *EAGLE3_ARGS]
+    args = [
+        "--model-path",
+        tiny_models["target"],
+        "--speculative-draft-model-path",
+        tiny_models["draft"],
+        *EAGLE3_ARGS,
+    ]
     env = {OVERLAP_ENV: "1" if overlap else "0"}
     with CpuServer(args, log_path=log, env=env) as server:
         sequential = _generate_all(server.url)
@@ -106,8 +115,13 @@ def test_eagle3_output_equals_non_speculative(plain_outputs, tiny_models, tmp_pa
 
 
 def test_agree_pair_accepts_every_draft(tiny_models, tmp_path):
-    args = ["--model-path", tiny_models["target-agree"],
-            "--speculative-draft-model-path", tiny_models["draft-agree"], *EAGLE3_ARGS]
+    args = [
+        "--model-path",
+        tiny_models["target-agree"],
+        "--speculative-draft-model-path",
+        tiny_models["draft-agree"],
+        *EAGLE3_ARGS,
+    ]
     with CpuServer(args, log_path=tmp_path / "server.log") as server:
         results = _generate_all(server.url)
         _assert_kv_pool_whole(server.url)

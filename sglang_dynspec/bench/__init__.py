@@ -8,8 +8,11 @@ Modules:
 
 * :mod:`.client`  -- streamed ``/generate`` requests, closed-loop load;
 * :mod:`.stats`   -- pure statistics (percentiles, ITL, gaps near switches);
-* :mod:`.metrics` -- Prometheus ``/metrics`` scraping of the plugin's mode;
+* :mod:`.scrape`  -- Prometheus ``/metrics`` scraping of the plugin's mode;
+* :mod:`.fmt`     -- milliseconds and ``n/a``-aware number formatting;
 * :mod:`.sweep`, :mod:`.ramp`, :mod:`.plot` -- the three subcommands;
-* :mod:`.records` -- JSONL result files and their schemas;
-* :mod:`.fake_server` -- an in-process fake SGLang server for tests/dry runs.
+* :mod:`.records` -- JSONL result files and their schemas.
+
+The fake SGLang server for tests and dry runs is ``dynspec_testbed.fake_server``
+(the test-bed distribution in ``testbed/``).
 """

@@ -31,7 +31,7 @@ import asyncio
 import json
 import random
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -58,23 +58,27 @@ class BenchmarkError(RuntimeError):
 
 # Frequent English words: with BPE tokenizers nearly every " word" is one
 # token, so a prompt of N words is roughly N tokens.
-_WORDS = tuple(dict.fromkeys((
-    "the of and to in is was for that on as with by he at from his it an were are "
-    "which this be or has had not first one their its new after but who they two "
-    "been her she all also time other more into during there when can over only "
-    "three most some would than between about year then city may these later such "
-    "used under many state while both where being team them through world since "
-    "early game school well before second part known because him until number then "
-    "four each people including found became three season same several up high "
-    "work film group each last long major made north south east west old did "
-    "during area family life music back out like won government so series name "
-    "what my will if no way could day any make over take could year into good "
-    "give most us very just man think also come its our because any these work "
-    "water light river house small great large place end point home hand line "
-    "right left little own still turn think play move live word read write open "
-    "close answer story study question power country order learn change money "
-    "night morning paper market history system program reason result level field"
-).split()))
+_WORDS = tuple(
+    dict.fromkeys(
+        (
+            "the of and to in is was for that on as with by he at from his it an were are "
+            "which this be or has had not first one their its new after but who they two "
+            "been her she all also time other more into during there when can over only "
+            "three most some would than between about year then city may these later such "
+            "used under many state while both where being team them through world since "
+            "early game school well before second part known because him until number then "
+            "four each people including found became three season same several up high "
+            "work film group each last long major made north south east west old did "
+            "during area family life music back out like won government so series name "
+            "what my will if no way could day any make over take could year into good "
+            "give most us very just man think also come its our because any these work "
+            "water light river house small great large place end point home hand line "
+            "right left little own still turn think play move live word read write open "
+            "close answer story study question power country order learn change money "
+            "night morning paper market history system program reason result level field"
+        ).split()
+    )
+)
 
 
 def normalize_base_url(url: str) -> str:
@@ -92,7 +96,7 @@ def make_prompt(
     rng: random.Random,
     prompt_len: int,
     text: bool,
-    token_range: Tuple[int, int],
+    token_range: tuple[int, int],
 ):
     """A random prompt: ``prompt_len`` token ids drawn uniformly from
     ``token_range`` (half-open), or ``prompt_len`` random common English
@@ -103,7 +107,7 @@ def make_prompt(
     return [rng.randrange(lo, hi) for _ in range(prompt_len)]
 
 
-def make_payload(prompt, output_len: int) -> Dict[str, object]:
+def make_payload(prompt, output_len: int) -> dict[str, object]:
     """Body of a greedy, fixed-length, streamed ``/generate`` request."""
     return {
         ("text" if isinstance(prompt, str) else "input_ids"): prompt,
@@ -123,9 +127,9 @@ def make_payloads(
     prompt_len: int,
     output_len: int,
     text: bool,
-    token_range: Tuple[int, int],
+    token_range: tuple[int, int],
     seed: str,
-) -> List[Dict[str, object]]:
+) -> list[dict[str, object]]:
     """``n`` request bodies from a reproducible seed.
 
     Two runs with the same seed send byte-identical prompts, so a baseline and
@@ -134,8 +138,7 @@ def make_payloads(
     earlier measurement.
     """
     rng = random.Random(seed)  # str seeds hash with SHA-512: stable across runs
-    return [make_payload(make_prompt(rng, prompt_len, text, token_range), output_len)
-            for _ in range(n)]
+    return [make_payload(make_prompt(rng, prompt_len, text, token_range), output_len) for _ in range(n)]
 
 
 def create_session(read_timeout_s: float) -> aiohttp.ClientSession:
@@ -156,7 +159,7 @@ def create_session(read_timeout_s: float) -> aiohttp.ClientSession:
     )
 
 
-async def fetch_server_info(session: aiohttp.ClientSession, base_url: str) -> Optional[dict]:
+async def fetch_server_info(session: aiohttp.ClientSession, base_url: str) -> dict | None:
     """The JSON of ``/server_info`` (``/get_server_info`` on servers that only
     have the deprecated name), or ``None`` if neither exists.
 
@@ -164,9 +167,7 @@ async def fetch_server_info(session: aiohttp.ClientSession, base_url: str) -> Op
     """
     for path in ("/server_info", "/get_server_info"):
         try:
-            async with session.get(
-                base_url + path, timeout=aiohttp.ClientTimeout(total=30)
-            ) as resp:
+            async with session.get(base_url + path, timeout=aiohttp.ClientTimeout(total=30)) as resp:
                 if resp.status != 200:
                     continue
                 try:
@@ -184,7 +185,7 @@ async def fetch_server_info(session: aiohttp.ClientSession, base_url: str) -> Op
     return None
 
 
-def server_fields(info: Optional[dict]) -> Dict[str, object]:
+def server_fields(info: dict | None) -> dict[str, object]:
     """Fields recorded with every result: server version and what it serves."""
     info = info or {}
     return {
@@ -197,7 +198,7 @@ def server_fields(info: Optional[dict]) -> Dict[str, object]:
 async def stream_generate(
     session: aiohttp.ClientSession,
     generate_url: str,
-    payload: Dict[str, object],
+    payload: dict[str, object],
 ) -> RequestTrace:
     """Send one streamed ``/generate`` request and time every chunk.
 
@@ -231,8 +232,7 @@ async def stream_generate(
         completion_tokens = meta.get("completion_tokens")
         if completion_tokens is None:
             raise _StreamError(
-                "stream event without meta_info.completion_tokens "
-                "(is this SGLang's native /generate?)"
+                "stream event without meta_info.completion_tokens (is this SGLang's native /generate?)"
             )
         if meta.get("spec_accept_length") is not None:
             trace.accept_length = float(meta["spec_accept_length"])
@@ -277,17 +277,17 @@ class _StreamError(Exception):
 async def run_closed_loop(
     session: aiohttp.ClientSession,
     generate_url: str,
-    payloads: Sequence[Dict[str, object]],
+    payloads: Sequence[dict[str, object]],
     concurrency: int,
-    on_done: Optional[Callable[[RequestTrace], None]] = None,
-) -> Tuple[List[RequestTrace], float]:
+    on_done: Callable[[RequestTrace], None] | None = None,
+) -> tuple[list[RequestTrace], float]:
     """Send ``payloads`` keeping exactly ``concurrency`` requests in flight
     (a new one starts as soon as one finishes) until all are done.
 
     Returns the traces (in payload order) and the wall time from the first
     request sent to the last one finished.
     """
-    traces: List[Optional[RequestTrace]] = [None] * len(payloads)
+    traces: list[RequestTrace | None] = [None] * len(payloads)
     it = iter(range(len(payloads)))
 
     async def worker() -> None:
@@ -307,6 +307,4 @@ def check_errors(traces: Sequence[RequestTrace], what: str, url: str) -> None:
     """Raise :class:`BenchmarkError` if every request of a measurement failed."""
     if traces and all(not t.ok for t in traces):
         first = next(t.error for t in traces if t.error)
-        raise BenchmarkError(
-            f"all {len(traces)} requests of {what} to {url} failed; first error: {first}"
-        )
+        raise BenchmarkError(f"all {len(traces)} requests of {what} to {url} failed; first error: {first}")

@@ -20,11 +20,11 @@ from __future__ import annotations
 import os
 import re
 from collections import OrderedDict, defaultdict
-from typing import Dict, Iterable, List, Sequence, Tuple
+from collections.abc import Iterable, Sequence
 
 from .records import read_jsonl
 
-Record = Dict[str, object]
+Record = dict[str, object]
 
 
 class PlotError(RuntimeError):
@@ -35,17 +35,15 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise PlotError(
-            "matplotlib is required for `plot` (pip install matplotlib)"
-        ) from None
+        raise PlotError("matplotlib is required for `plot` (pip install matplotlib)") from None
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt
 
     return plt
 
 
-def load(files: Sequence[str]) -> List[Record]:
-    records: List[Record] = []
+def load(files: Sequence[str]) -> list[Record]:
+    records: list[Record] = []
     for path in files:
         try:
             records.extend(read_jsonl(path))
@@ -64,9 +62,9 @@ def _safe(name: object) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(name)) or "_"
 
 
-def aggregate(points: Iterable[Record], key: str) -> Dict[str, Dict[int, Tuple[float, float, float]]]:
+def aggregate(points: Iterable[Record], key: str) -> dict[str, dict[int, tuple[float, float, float]]]:
     """``{config: {concurrency: (mean, min, max)}}`` of ``key`` over repeats."""
-    values: Dict[str, Dict[int, List[float]]] = defaultdict(lambda: defaultdict(list))
+    values: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in points:
         v = r.get(key)
         if isinstance(v, (int, float)):
@@ -78,13 +76,13 @@ def aggregate(points: Iterable[Record], key: str) -> Dict[str, Dict[int, Tuple[f
 
 
 def ratios(
-    agg: Dict[str, Dict[int, Tuple[float, float, float]]], baseline: str
-) -> Dict[str, Dict[int, Tuple[float, float, float]]]:
+    agg: dict[str, dict[int, tuple[float, float, float]]], baseline: str
+) -> dict[str, dict[int, tuple[float, float, float]]]:
     """``{config: {C: (ratio of means, low, high)}}`` relative to ``baseline``
     at the concurrencies both have; low/high divide the config's min by the
     baseline's max and vice versa."""
     base = agg.get(baseline, {})
-    out: Dict[str, Dict[int, Tuple[float, float, float]]] = {}
+    out: dict[str, dict[int, tuple[float, float, float]]] = {}
     for cfg, by_c in agg.items():
         if cfg == baseline:
             continue
@@ -110,10 +108,10 @@ def _log2_axis(ax, xs: Sequence[int]) -> None:
 def _line_with_band(ax, by_c, label) -> None:
     xs = list(by_c)
     mean = [by_c[c][0] for c in xs]
-    line, = ax.plot(xs, mean, marker="o", label=label)
+    (line,) = ax.plot(xs, mean, marker="o", label=label)
     lo = [by_c[c][1] for c in xs]
     hi = [by_c[c][2] for c in xs]
-    if any(h > l for l, h in zip(lo, hi)):
+    if any(h > low for low, h in zip(lo, hi)):
         ax.fill_between(xs, lo, hi, alpha=0.2, color=line.get_color(), linewidth=0)
 
 
@@ -122,9 +120,9 @@ def _shape_title(shape) -> str:
     return f"prompt {p} / output {o} tokens"
 
 
-def plot_sweeps(plt, points: List[Record], out_dir: str, baseline: str, dpi: int) -> List[str]:
+def plot_sweeps(plt, points: list[Record], out_dir: str, baseline: str, dpi: int) -> list[str]:
     written = []
-    shapes: Dict[tuple, List[Record]] = OrderedDict()
+    shapes: dict[tuple, list[Record]] = OrderedDict()
     for r in points:
         shapes.setdefault((r.get("prompt_len"), r.get("output_len")), []).append(r)
     for shape, pts in shapes.items():
@@ -170,17 +168,17 @@ def plot_sweeps(plt, points: List[Record], out_dir: str, baseline: str, dpi: int
     return written
 
 
-def ramp_runs(records: List[Record]) -> "OrderedDict[tuple, List[Record]]":
+def ramp_runs(records: list[Record]) -> OrderedDict[tuple, list[Record]]:
     """Ramp records grouped by (config, run_id); files appended to several
     times hold several runs whose times all start at 0."""
-    runs: "OrderedDict[tuple, List[Record]]" = OrderedDict()
+    runs: OrderedDict[tuple, list[Record]] = OrderedDict()
     for r in records:
         if r.get("kind") in ("sample", "switch", "ramp_step", "ramp_summary"):
             runs.setdefault((str(r.get("config")), r.get("run_id")), []).append(r)
     return runs
 
 
-def plot_ramp(plt, recs: List[Record], title: str, path: str, dpi: int) -> None:
+def plot_ramp(plt, recs: list[Record], title: str, path: str, dpi: int) -> None:
     samples = sorted((r for r in recs if r.get("kind") == "sample"), key=lambda r: r["t"])
     switches = [r for r in recs if r.get("kind") == "switch"]
     steps = sorted((r for r in recs if r.get("kind") == "ramp_step"), key=lambda r: r["t_start"])
@@ -189,10 +187,10 @@ def plot_ramp(plt, recs: List[Record], title: str, path: str, dpi: int) -> None:
         3, 1, figsize=(11, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 1.2, 2]}
     )
     t = [s["t"] for s in samples]
-    ax_load.step(t, [s.get("concurrency") for s in samples], where="post",
-                 label="target concurrency", color="tab:gray")
-    running = [(s["t"], s["num_running_reqs"]) for s in samples
-               if s.get("num_running_reqs") is not None]
+    ax_load.step(
+        t, [s.get("concurrency") for s in samples], where="post", label="target concurrency", color="tab:gray"
+    )
+    running = [(s["t"], s["num_running_reqs"]) for s in samples if s.get("num_running_reqs") is not None]
     if running:
         ax_load.plot(*zip(*running), label="sglang:num_running_reqs", color="tab:blue")
     ax_load.set_ylabel("requests")
@@ -205,8 +203,15 @@ def plot_ramp(plt, recs: List[Record], title: str, path: str, dpi: int) -> None:
         ax_mode.set_yticks([0, 1])
         ax_mode.set_yticklabels(["plain", "spec"])
     else:
-        ax_mode.text(0.5, 0.5, "no sglang:spec_dynamic_mode metric", ha="center",
-                     va="center", transform=ax_mode.transAxes, color="gray")
+        ax_mode.text(
+            0.5,
+            0.5,
+            "no sglang:spec_dynamic_mode metric",
+            ha="center",
+            va="center",
+            transform=ax_mode.transAxes,
+            color="gray",
+        )
         ax_mode.set_yticks([])
     ax_mode.set_ylabel("mode")
 
@@ -226,13 +231,25 @@ def plot_ramp(plt, recs: List[Record], title: str, path: str, dpi: int) -> None:
         color = "tab:red" if sw.get("to") == "plain" else "tab:green"
         label = f"switch to {sw.get('to')}"
         for ax in (ax_load, ax_mode, ax_tput):
-            ax.axvline(sw["t"], color=color, linestyle=":", linewidth=1.2,
-                       label=label if (ax is ax_load and label not in labelled) else None)
+            ax.axvline(
+                sw["t"],
+                color=color,
+                linestyle=":",
+                linewidth=1.2,
+                label=label if (ax is ax_load and label not in labelled) else None,
+            )
         labelled.add(label)
         if sw.get("max_gap_ms_near_switch") is not None:
-            ax_load.annotate(f"{sw['max_gap_ms_near_switch']:.0f} ms", (sw["t"], 1),
-                             xycoords=("data", "axes fraction"), rotation=90,
-                             va="top", ha="right", fontsize=7, color=color)
+            ax_load.annotate(
+                f"{sw['max_gap_ms_near_switch']:.0f} ms",
+                (sw["t"], 1),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                va="top",
+                ha="right",
+                fontsize=7,
+                color=color,
+            )
     ax_load.legend(loc="upper left", fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
@@ -240,8 +257,7 @@ def plot_ramp(plt, recs: List[Record], title: str, path: str, dpi: int) -> None:
     plt.close(fig)
 
 
-def run_plot(files: Sequence[str], out_dir: str, baseline: str = "baseline",
-             dpi: int = 120) -> List[str]:
+def run_plot(files: Sequence[str], out_dir: str, baseline: str = "baseline", dpi: int = 120) -> list[str]:
     """Write all figures for ``files`` into ``out_dir``; returns the paths."""
     records = load(files)
     points = [r for r in records if _is_sweep(r)]
@@ -252,10 +268,10 @@ def run_plot(files: Sequence[str], out_dir: str, baseline: str = "baseline",
     os.makedirs(out_dir, exist_ok=True)
     written = plot_sweeps(plt, points, out_dir, baseline, dpi) if points else []
 
-    per_config: Dict[str, int] = defaultdict(int)
-    for (cfg, _run), recs in runs.items():
+    per_config: dict[str, int] = defaultdict(int)
+    for cfg, _run in runs:
         per_config[cfg] += 1
-    seen: Dict[str, int] = defaultdict(int)
+    seen: dict[str, int] = defaultdict(int)
     for (cfg, _run), recs in runs.items():
         seen[cfg] += 1
         suffix = f"_{seen[cfg]}" if per_config[cfg] > 1 else ""

@@ -42,13 +42,13 @@ import random
 import sys
 import time
 import uuid
-from typing import Dict, List, Optional, Tuple
 
 from tqdm import tqdm
 
 from . import client
-from .metrics import MetricsPoller, MetricsSnapshot
+from .fmt import fmt, ms
 from .records import JsonlWriter, utc_now_iso
+from .scrape import MetricsPoller, MetricsSnapshot
 from .stats import (
     RequestTrace,
     analyze_switch,
@@ -58,8 +58,6 @@ from .stats import (
     median_step,
     percentile,
 )
-
-DEFAULT_STEPS = (1, 2, 4, 8, 16, 32, 64, 128, 64, 32, 16, 8, 4, 2, 1)
 
 
 class RampLoad:
@@ -80,8 +78,8 @@ class RampLoad:
         self.target = 0
         self.in_flight = 0
         self.completed = 0
-        self.traces: List[RequestTrace] = []
-        self._workers: Dict[int, asyncio.Task] = {}
+        self.traces: list[RequestTrace] = []
+        self._workers: dict[int, asyncio.Task] = {}
         self._progress = asyncio.Condition()
 
     def set_target(self, concurrency: int) -> None:
@@ -95,9 +93,7 @@ class RampLoad:
         while i < self.target:
             self.in_flight += 1
             try:
-                tr = await client.stream_generate(
-                    self.session, self.generate_url, self.payload_factory()
-                )
+                tr = await client.stream_generate(self.session, self.generate_url, self.payload_factory())
             finally:
                 self.in_flight -= 1
             self.traces.append(tr)
@@ -128,21 +124,28 @@ class RampLoad:
             await asyncio.gather(*tasks)
 
 
-def sample_record(t: float, snap: Optional[MetricsSnapshot], concurrency: int, in_flight: int) -> Dict[str, object]:
+def sample_record(
+    t: float, snap: MetricsSnapshot | None, concurrency: int, in_flight: int
+) -> dict[str, object]:
     values = snap.as_dict() if snap is not None else MetricsSnapshot().as_dict()
-    rec: Dict[str, object] = {"kind": "sample", "t": round(t, 4), **values,
-                              "concurrency": concurrency, "in_flight": in_flight}
+    rec: dict[str, object] = {
+        "kind": "sample",
+        "t": round(t, 4),
+        **values,
+        "concurrency": concurrency,
+        "in_flight": in_flight,
+    }
     if snap is not None and not snap.mode_consistent:
         rec["mode_consistent"] = False
     return rec
 
 
 def step_records(
-    steps: List[Tuple[int, float, float]],
-    traces: List[RequestTrace],
-    samples: List[Dict[str, object]],
+    steps: list[tuple[int, float, float]],
+    traces: list[RequestTrace],
+    samples: list[dict[str, object]],
     pad_s: float,
-) -> List[Dict[str, object]]:
+) -> list[dict[str, object]]:
     """Per-step throughput, ITL and mode occupancy (one ``ramp_step`` each).
 
     ``max_gap_ms_near_start`` is the longest chunk gap overlapping
@@ -162,33 +165,30 @@ def step_records(
             if a <= t < b
             for _ in range(n)
         ]
-        modes = [s["mode"] for s in samples
-                 if a <= s["t"] < b and s.get("mode") is not None]
-        out.append({
-            "kind": "ramp_step",
-            "concurrency": conc,
-            "t_start": round(a, 4),
-            "t_end": round(b, 4),
-            "output_tok_s": toks / (b - a) if b > a else None,
-            "itl_p50_ms": _ms(percentile(itls, 50)),
-            "itl_p99_ms": _ms(percentile(itls, 99)),
-            "spec_sample_frac": (sum(modes) / len(modes)) if modes else None,
-            "max_gap_ms_near_start": _ms(max(near)) if near else None,
-        })
+        modes = [s["mode"] for s in samples if a <= s["t"] < b and s.get("mode") is not None]
+        out.append(
+            {
+                "kind": "ramp_step",
+                "concurrency": conc,
+                "t_start": round(a, 4),
+                "t_end": round(b, 4),
+                "output_tok_s": toks / (b - a) if b > a else None,
+                "itl_p50_ms": ms(percentile(itls, 50)),
+                "itl_p99_ms": ms(percentile(itls, 99)),
+                "spec_sample_frac": (sum(modes) / len(modes)) if modes else None,
+                "max_gap_ms_near_start": ms(max(near)) if near else None,
+            }
+        )
     return out
 
 
-def _ms(x):
-    return None if x is None else x * 1000.0
-
-
 def analyze_ramp(
-    samples: List[Dict[str, object]],
-    traces: List[RequestTrace],
-    steps: List[Tuple[int, float, float]],
+    samples: list[dict[str, object]],
+    traces: list[RequestTrace],
+    steps: list[tuple[int, float, float]],
     switch_pad_s: float,
     local_window_s: float,
-) -> Tuple[List[Dict[str, object]], List[Dict[str, object]], Dict[str, object]]:
+) -> tuple[list[dict[str, object]], list[dict[str, object]], dict[str, object]]:
     """Turn a recorded ramp into ``ramp_step`` and ``switch`` records and the
     measured part of the ``ramp_summary``.
 
@@ -204,16 +204,18 @@ def analyze_ramp(
     for sw in detect_switches(samples):
         analysis = analyze_switch(ok, sw, switch_pad_s, local_window_s, step_s)
         at = next((s for s in samples if s["t"] >= sw.t_hi), samples[-1])
-        switch_recs.append({
-            "kind": "switch",
-            "t": round(sw.t_hi, 4),
-            "t_lo": round(sw.t_lo, 4),
-            "to": sw.to,
-            "count": sw.count,
-            **analysis,
-            "concurrency": at.get("concurrency"),
-            "num_running_reqs": at.get("num_running_reqs"),
-        })
+        switch_recs.append(
+            {
+                "kind": "switch",
+                "t": round(sw.t_hi, 4),
+                "t_lo": round(sw.t_lo, 4),
+                "to": sw.to,
+                "count": sw.count,
+                **analysis,
+                "concurrency": at.get("concurrency"),
+                "num_running_reqs": at.get("num_running_reqs"),
+            }
+        )
 
     with_metrics = [s for s in samples if s.get("steps_spec") is not None]
     first = with_metrics[0] if with_metrics else {}
@@ -236,8 +238,8 @@ def analyze_ramp(
         "switches_to_spec": sum(r["count"] for r in switch_recs if r["to"] == "spec"),
         "decode_steps_spec": delta("steps_spec"),
         "decode_steps_plain": delta("steps_plain"),
-        "median_step_ms": _ms(step_s),
-        "median_itl_ms": _ms(itl_med),
+        "median_step_ms": ms(step_s),
+        "median_itl_ms": ms(itl_med),
         "worst_gap_ratio": worst["gap_ratio"] if worst else None,
         "worst_gap_ratio_global": max(
             (r["gap_ratio_global"] for r in switch_recs if r["gap_ratio_global"] is not None),
@@ -265,13 +267,12 @@ async def _drive(args, session, generate_url: str, base: str, out: JsonlWriter):
             args.output_len,
         )
 
-    samples: List[Dict[str, object]] = []
+    samples: list[dict[str, object]] = []
     t0 = time.perf_counter()
-    bar = tqdm(desc=f"ramp [{args.config}]", unit="req", disable=not args.progress,
-               file=sys.stderr)
+    bar = tqdm(desc=f"ramp [{args.config}]", unit="req", disable=not args.progress, file=sys.stderr)
     load = RampLoad(session, generate_url, next_payload, on_done=lambda _t: bar.update(1))
 
-    def on_sample(t: float, snap: Optional[MetricsSnapshot]) -> None:
+    def on_sample(t: float, snap: MetricsSnapshot | None) -> None:
         rec = sample_record(t - t0, snap, load.target, load.in_flight)
         rec["config"] = args.config
         rec["run_id"] = args.run_id
@@ -280,7 +281,7 @@ async def _drive(args, session, generate_url: str, base: str, out: JsonlWriter):
 
     poller = MetricsPoller(session, base, args.poll_s, on_sample=on_sample)
     stop = asyncio.Event()
-    steps: List[Tuple[int, float, float]] = []
+    steps: list[tuple[int, float, float]] = []
     poll_task = asyncio.ensure_future(poller.run(stop))
     try:
         for conc in args.steps:
@@ -319,9 +320,7 @@ async def run_ramp(args: argparse.Namespace) -> int:
         info = await client.fetch_server_info(session, base)
         server = client.server_fields(info)
         with JsonlWriter(args.out, overwrite=args.overwrite) as out:
-            samples, traces, steps, poller, duration = await _drive(
-                args, session, generate_url, base, out
-            )
+            samples, traces, steps, poller, duration = await _drive(args, session, generate_url, base, out)
             client.check_errors(traces, "the ramp", generate_url)
             step_recs, switch_recs, measured = analyze_ramp(
                 samples, traces, steps, args.switch_pad_s, args.local_window_s
@@ -355,13 +354,18 @@ async def run_ramp(args: argparse.Namespace) -> int:
     if args.requests_out:
         with JsonlWriter(args.requests_out, overwrite=True) as rw:
             for tr in traces:
-                rw.write({
-                    "kind": "request", "config": args.config, "run_id": args.run_id,
-                    "start": round(tr.start, 6),
-                    "end": None if tr.end is None else round(tr.end, 6),
-                    "chunks": [[round(t, 6), n] for t, n in tr.chunks],
-                    "accept_length": tr.accept_length, "error": tr.error,
-                })
+                rw.write(
+                    {
+                        "kind": "request",
+                        "config": args.config,
+                        "run_id": args.run_id,
+                        "start": round(tr.start, 6),
+                        "end": None if tr.end is None else round(tr.end, 6),
+                        "chunks": [[round(t, 6), n] for t, n in tr.chunks],
+                        "accept_length": tr.accept_length,
+                        "error": tr.error,
+                    }
+                )
 
     if not summary["metrics_endpoint"]:
         log(f"note: {base}/metrics not available (start the server with --enable-metrics); mode: null")
@@ -369,16 +373,12 @@ async def run_ramp(args: argparse.Namespace) -> int:
         log("note: no sglang:spec_dynamic_* metrics (not an EAGLE3_DYNAMIC server); mode: null")
     log(
         f"[{args.config}] ramp done in {duration:.1f} s: {summary['num_requests']} requests, "
-        f"{summary['num_switches']} switches, median step {_fmt(summary['median_step_ms'])} ms, "
-        f"worst gap/step ratio {_fmt(summary['worst_gap_ratio'])}"
-        f" (at t={_fmt(summary['worst_switch_t'])} s)"
+        f"{summary['num_switches']} switches, median step {fmt(summary['median_step_ms'])} ms, "
+        f"worst gap/step ratio {fmt(summary['worst_gap_ratio'])}"
+        f" (at t={fmt(summary['worst_switch_t'])} s)"
     )
     if summary["num_errors"]:
         first_err = next(tr.error for tr in traces if tr.error)
         log(f"  {summary['num_errors']} requests FAILED; first error: {first_err}")
     log(f"timeline written to {args.out}")
     return 0
-
-
-def _fmt(v) -> str:
-    return "n/a" if v is None else f"{v:.2f}"

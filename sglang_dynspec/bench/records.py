@@ -18,7 +18,8 @@ import datetime as _dt
 import json
 import math
 import os
-from typing import IO, Dict, Iterable, Iterator, List, Optional, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import IO
 
 SWEEP_POINT_KEYS = (
     "kind",
@@ -67,7 +68,10 @@ RAMP_SUMMARY_KEYS = (
 
 #: Keys a ``--tag`` may not overwrite.
 RESERVED_KEYS = frozenset(
-    SWEEP_POINT_KEYS + RAMP_SAMPLE_KEYS + RAMP_SWITCH_KEYS + RAMP_SUMMARY_KEYS
+    SWEEP_POINT_KEYS
+    + RAMP_SAMPLE_KEYS
+    + RAMP_SWITCH_KEYS
+    + RAMP_SUMMARY_KEYS
     + ("run_id", "url", "model", "speculative_algorithm", "prompt_mode", "num_errors")
 )
 
@@ -78,12 +82,12 @@ def utc_now_iso() -> str:
     return now.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def parse_tags(items: Optional[Sequence[str]]) -> Dict[str, str]:
+def parse_tags(items: Sequence[str] | None) -> dict[str, str]:
     """``["hw=H200", "tp=1"]`` -> ``{"hw": "H200", "tp": "1"}``.
 
     Values stay strings so a tag round-trips exactly as typed.
     """
-    tags: Dict[str, str] = {}
+    tags: dict[str, str] = {}
     for item in items or ():
         key, sep, value = item.partition("=")
         key = key.strip()
@@ -95,7 +99,7 @@ def parse_tags(items: Optional[Sequence[str]]) -> Dict[str, str]:
     return tags
 
 
-def missing_keys(record: Dict[str, object], keys: Iterable[str]) -> List[str]:
+def missing_keys(record: dict[str, object], keys: Iterable[str]) -> list[str]:
     return [k for k in keys if k not in record]
 
 
@@ -120,7 +124,7 @@ class JsonlWriter:
         os.makedirs(parent, exist_ok=True)
         self._f: IO[str] = open(path, "w" if overwrite else "a", encoding="utf-8")
 
-    def write(self, record: Dict[str, object]) -> None:
+    def write(self, record: dict[str, object]) -> None:
         self._f.write(json.dumps(_clean(record), allow_nan=False) + "\n")
         self._f.flush()
 
@@ -128,14 +132,14 @@ class JsonlWriter:
         if not self._f.closed:
             self._f.close()
 
-    def __enter__(self) -> "JsonlWriter":
+    def __enter__(self) -> JsonlWriter:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
 
-def read_jsonl(path: str) -> Iterator[Dict[str, object]]:
+def read_jsonl(path: str) -> Iterator[dict[str, object]]:
     """Yield the objects of a JSONL file; blank lines are skipped, a malformed
     line raises ``ValueError`` naming the file and line number."""
     with open(path, encoding="utf-8") as f:

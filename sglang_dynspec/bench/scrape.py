@@ -1,7 +1,8 @@
 """Scraping the server's Prometheus ``/metrics`` endpoint.
 
 SGLang exposes ``/metrics`` when launched with ``--enable-metrics``.  The
-EAGLE3_DYNAMIC plugin adds, from the scheduler process:
+EAGLE3_DYNAMIC plugin adds, from the scheduler process (names from
+``sglang_dynspec.metric_names``):
 
 * ``sglang:spec_dynamic_mode`` (gauge): 1 = speculating, 0 = plain decode;
 * ``sglang:spec_dynamic_decode_steps_total{mode="spec"|"plain"}`` (counter);
@@ -34,24 +35,34 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from sglang_dynspec import metrics as plugin_metrics  # names only; no SGLang import
+from sglang_dynspec.metric_names import (
+    CATCH_UP_COUNTER,
+    CATCH_UP_SECONDS,
+    CATCH_UP_TOKENS_COUNTER,
+    MODE_GAUGE,
+    PLAIN_GRAPH_COUNTER,
+    RESUME_ACCEPTED_COUNTER,
+    RESUME_REQUESTS_COUNTER,
+    STEPS_COUNTER,
+    SWITCHES_COUNTER,
+    total,
+)
 
-MODE = plugin_metrics.MODE_GAUGE
-STEPS = plugin_metrics.STEPS_COUNTER + "_total"
-SWITCHES = plugin_metrics.SWITCHES_COUNTER + "_total"
-PLAIN_GRAPH = plugin_metrics.PLAIN_GRAPH_COUNTER + "_total"
-RUNNING = "sglang:num_running_reqs"
-CATCH_UPS = plugin_metrics.CATCH_UP_COUNTER + "_total"
-CATCH_UP_TOKENS = plugin_metrics.CATCH_UP_TOKENS_COUNTER + "_total"
-CATCH_UP_SECONDS_SUM = plugin_metrics.CATCH_UP_SECONDS + "_sum"
-CATCH_UP_SECONDS_COUNT = plugin_metrics.CATCH_UP_SECONDS + "_count"
-RESUME_ACCEPTED = plugin_metrics.RESUME_ACCEPTED_COUNTER + "_total"
-RESUME_REQUESTS = plugin_metrics.RESUME_REQUESTS_COUNTER + "_total"
+MODE = MODE_GAUGE
+STEPS = total(STEPS_COUNTER)
+SWITCHES = total(SWITCHES_COUNTER)
+PLAIN_GRAPH = total(PLAIN_GRAPH_COUNTER)
+RUNNING = "sglang:num_running_reqs"  # SGLang's own gauge
+CATCH_UPS = total(CATCH_UP_COUNTER)
+CATCH_UP_TOKENS = total(CATCH_UP_TOKENS_COUNTER)
+CATCH_UP_SECONDS_SUM = CATCH_UP_SECONDS + "_sum"
+CATCH_UP_SECONDS_COUNT = CATCH_UP_SECONDS + "_count"
+RESUME_ACCEPTED = total(RESUME_ACCEPTED_COUNTER)
+RESUME_REQUESTS = total(RESUME_REQUESTS_COUNTER)
 _SUMMED = {
     CATCH_UP_TOKENS: "catch_up_tokens",
     CATCH_UP_SECONDS_SUM: "catch_up_seconds_sum",
@@ -65,33 +76,33 @@ _SUMMED = {
 class MetricsSnapshot:
     """The metrics the benchmark cares about; ``None`` = not exported."""
 
-    mode: Optional[int] = None
+    mode: int | None = None
     mode_consistent: bool = True
-    steps_spec: Optional[float] = None
-    steps_plain: Optional[float] = None
-    switches_to_plain: Optional[float] = None
-    switches_to_spec: Optional[float] = None
-    plain_graph_steps: Optional[float] = None
-    num_running_reqs: Optional[float] = None
-    catch_ups: Optional[Dict[str, float]] = None  # by reason
-    catch_up_tokens: Optional[float] = None
-    catch_up_seconds_sum: Optional[float] = None
-    catch_up_timed: Optional[float] = None  # catch-ups whose device time is in the sum
-    resume_accepted_tokens: Optional[float] = None
-    resume_requests: Optional[float] = None
+    steps_spec: float | None = None
+    steps_plain: float | None = None
+    switches_to_plain: float | None = None
+    switches_to_spec: float | None = None
+    plain_graph_steps: float | None = None
+    num_running_reqs: float | None = None
+    catch_ups: dict[str, float] | None = None  # by reason
+    catch_up_tokens: float | None = None
+    catch_up_seconds_sum: float | None = None
+    catch_up_timed: float | None = None  # catch-ups whose device time is in the sum
+    resume_accepted_tokens: float | None = None
+    resume_requests: float | None = None
 
     @property
     def has_plugin_metrics(self) -> bool:
         return self.mode is not None or self.steps_spec is not None
 
     @property
-    def resume_accept_length(self) -> Optional[float]:
+    def resume_accept_length(self) -> float | None:
         """Mean accepted tokens per request on the first speculative step after a resume."""
         if not self.resume_requests:
             return None
         return self.resume_accepted_tokens / self.resume_requests
 
-    def as_dict(self) -> Dict[str, object]:
+    def as_dict(self) -> dict[str, object]:
         return {
             "mode": self.mode,
             "steps_spec": self.steps_spec,
@@ -109,7 +120,7 @@ class MetricsSnapshot:
         }
 
 
-def _add(d: Dict[str, float], key: str, v: float) -> None:
+def _add(d: dict[str, float], key: str, v: float) -> None:
     d[key] = d.get(key, 0.0) + v
 
 
@@ -118,13 +129,13 @@ def parse_metrics(text: str) -> MetricsSnapshot:
 
     Raises ``ValueError`` if the text is not parseable Prometheus format.
     """
-    steps: Dict[str, float] = {}
-    switches: Dict[str, float] = {}
+    steps: dict[str, float] = {}
+    switches: dict[str, float] = {}
     modes = []
-    running: Optional[float] = None
+    running: float | None = None
     plain_graph = 0.0
-    catch_ups: Dict[str, float] = {}
-    summed: Dict[str, float] = {}
+    catch_ups: dict[str, float] = {}
+    summed: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == MODE:
@@ -160,15 +171,13 @@ def parse_metrics(text: str) -> MetricsSnapshot:
     return snap
 
 
-async def fetch_metrics(session, base_url: str, timeout_s: float = 5.0) -> Optional[MetricsSnapshot]:
+async def fetch_metrics(session, base_url: str, timeout_s: float = 5.0) -> MetricsSnapshot | None:
     """GET ``{base_url}/metrics`` and parse it.
 
     Returns ``None`` if the endpoint does not exist (server started without
     ``--enable-metrics``); network errors propagate to the caller.
     """
-    async with session.get(
-        base_url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)
-    ) as resp:
+    async with session.get(base_url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
         if resp.status == 404:
             return None
         resp.raise_for_status()
@@ -189,16 +198,16 @@ class MetricsPoller:
         self.base_url = base_url
         self.period_s = period_s
         self.on_sample = on_sample
-        self.samples: List[Tuple[float, Optional[MetricsSnapshot]]] = []
+        self.samples: list[tuple[float, MetricsSnapshot | None]] = []
         self.errors = 0
-        self.last_error: Optional[str] = None
+        self.last_error: str | None = None
         #: True once a scrape succeeded, False if the first one found no
         #: ``/metrics`` (404) or failed, None before the first scrape.
-        self.available: Optional[bool] = None
+        self.available: bool | None = None
 
     async def poll_once(self) -> None:
         t0 = time.perf_counter()
-        snap: Optional[MetricsSnapshot]
+        snap: MetricsSnapshot | None
         try:
             snap = await fetch_metrics(self.session, self.base_url)
         except (asyncio.TimeoutError, aiohttp.ClientError, ValueError) as e:

@@ -31,8 +31,10 @@ pause around a speculation on/off switch.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from .fmt import ms
 
 
 @dataclass
@@ -45,11 +47,11 @@ class RequestTrace:
 
     start: float
     #: ``(arrival_time, new_tokens)`` for every chunk that carried >= 1 token.
-    chunks: List[Tuple[float, int]] = field(default_factory=list)
-    end: Optional[float] = None
+    chunks: list[tuple[float, int]] = field(default_factory=list)
+    end: float | None = None
     #: last ``meta_info.spec_accept_length`` seen in the stream, if any.
-    accept_length: Optional[float] = None
-    error: Optional[str] = None
+    accept_length: float | None = None
+    error: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -60,25 +62,25 @@ class RequestTrace:
         return sum(n for _, n in self.chunks)
 
     @property
-    def ttft(self) -> Optional[float]:
+    def ttft(self) -> float | None:
         return self.chunks[0][0] - self.start if self.chunks else None
 
     @property
-    def latency(self) -> Optional[float]:
+    def latency(self) -> float | None:
         return None if self.end is None else self.end - self.start
 
-    def itls(self) -> List[float]:
+    def itls(self) -> list[float]:
         """Per-token ITLs of this request (see module docstring)."""
-        out: List[float] = []
+        out: list[float] = []
         for (t_prev, _), (t, n) in zip(self.chunks, self.chunks[1:]):
             out.extend([(t - t_prev) / n] * n)
         return out
 
-    def chunk_gaps(self) -> List[Tuple[float, float]]:
+    def chunk_gaps(self) -> list[tuple[float, float]]:
         """``(t_prev, t)`` intervals between consecutive token-carrying chunks."""
         return [(a[0], b[0]) for a, b in zip(self.chunks, self.chunks[1:])]
 
-    def shifted(self, t0: float) -> "RequestTrace":
+    def shifted(self, t0: float) -> RequestTrace:
         """Copy with every time expressed relative to ``t0``."""
         return RequestTrace(
             start=self.start - t0,
@@ -108,7 +110,7 @@ def add_chunk(trace: RequestTrace, t: float, completion_tokens: int) -> int:
 # ---------------------------------------------------------------------------
 
 
-def percentile(values: Iterable[float], q: float) -> Optional[float]:
+def percentile(values: Iterable[float], q: float) -> float | None:
     """``q``-th percentile (0..100) with linear interpolation between closest
     ranks -- the same definition as ``numpy.percentile``'s default, so numbers
     agree with ``bench_serving``.  Returns ``None`` for no values."""
@@ -123,17 +125,13 @@ def percentile(values: Iterable[float], q: float) -> Optional[float]:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def median(values: Iterable[float]) -> Optional[float]:
+def median(values: Iterable[float]) -> float | None:
     return percentile(values, 50.0)
 
 
-def mean(values: Iterable[float]) -> Optional[float]:
+def mean(values: Iterable[float]) -> float | None:
     xs = list(values)
     return sum(xs) / len(xs) if xs else None
-
-
-def _ms(x: Optional[float]) -> Optional[float]:
-    return None if x is None else x * 1000.0
 
 
 # ---------------------------------------------------------------------------
@@ -141,7 +139,7 @@ def _ms(x: Optional[float]) -> Optional[float]:
 # ---------------------------------------------------------------------------
 
 
-def summarize_point(traces: Sequence[RequestTrace], wall_s: float) -> Dict[str, object]:
+def summarize_point(traces: Sequence[RequestTrace], wall_s: float) -> dict[str, object]:
     """Throughput and latency statistics of one closed-loop sweep point.
 
     ``wall_s`` is the time from the first request sent to the last one
@@ -161,11 +159,11 @@ def summarize_point(traces: Sequence[RequestTrace], wall_s: float) -> Dict[str, 
         "wall_s": wall_s,
         "output_tok_s": output_tokens / wall_s if wall_s > 0 else None,
         "per_request_tok_s": mean(per_req),
-        "ttft_p50_ms": _ms(percentile(ttfts, 50)),
-        "ttft_p99_ms": _ms(percentile(ttfts, 99)),
-        "itl_p50_ms": _ms(percentile(itls, 50)),
-        "itl_p99_ms": _ms(percentile(itls, 99)),
-        "itl_mean_ms": _ms(mean(itls)),
+        "ttft_p50_ms": ms(percentile(ttfts, 50)),
+        "ttft_p99_ms": ms(percentile(ttfts, 99)),
+        "itl_p50_ms": ms(percentile(itls, 50)),
+        "itl_p99_ms": ms(percentile(itls, 99)),
+        "itl_mean_ms": ms(mean(itls)),
         "accept_length": mean(accept),
     }
 
@@ -176,7 +174,7 @@ def summarize_point(traces: Sequence[RequestTrace], wall_s: float) -> Dict[str, 
 
 
 @dataclass
-class Switch:
+class ObservedSwitch:
     """A mode switch located between two metric polls.
 
     The plugin switched at some instant in ``[t_lo, t_hi]`` (the times of the
@@ -190,7 +188,7 @@ class Switch:
     count: int = 1
 
 
-def detect_switches(samples: Sequence[Dict[str, object]]) -> List[Switch]:
+def detect_switches(samples: Sequence[dict[str, object]]) -> list[ObservedSwitch]:
     """Switches from consecutive metric samples.
 
     Each sample is a dict with ``t`` and optionally ``switches_to_plain``,
@@ -200,7 +198,7 @@ def detect_switches(samples: Sequence[Dict[str, object]]) -> List[Switch]:
     ``mode`` is used instead.  A counter that goes backwards (server restart)
     is treated as a reset, not as a switch.
     """
-    out: List[Switch] = []
+    out: list[ObservedSwitch] = []
     prev = None
     for s in samples:
         if prev is not None:
@@ -211,18 +209,16 @@ def detect_switches(samples: Sequence[Dict[str, object]]) -> List[Switch]:
                     found = True
                     d = int(round(float(b) - float(a)))
                     if d > 0:
-                        out.append(Switch(prev["t"], s["t"], to, d))
+                        out.append(ObservedSwitch(prev["t"], s["t"], to, d))
             if not found:
                 a, b = prev.get("mode"), s.get("mode")
                 if a is not None and b is not None and a != b:
-                    out.append(Switch(prev["t"], s["t"], "spec" if b else "plain"))
+                    out.append(ObservedSwitch(prev["t"], s["t"], "spec" if b else "plain"))
         prev = s
     return out
 
 
-def gaps_overlapping(
-    traces: Iterable[RequestTrace], lo: float, hi: float
-) -> List[float]:
+def gaps_overlapping(traces: Iterable[RequestTrace], lo: float, hi: float) -> list[float]:
     """Chunk gaps (seconds) of all requests whose interval overlaps [lo, hi].
 
     A gap ``(a, b)`` overlaps when ``a < hi`` and ``b > lo``: the request was
@@ -230,30 +226,21 @@ def gaps_overlapping(
     catches a stall caused by a switch: whichever requests were in flight
     while the switch happened have one long gap that spans it.
     """
-    return [
-        b - a
-        for tr in traces
-        for a, b in tr.chunk_gaps()
-        if a < hi and b > lo
-    ]
+    return [b - a for tr in traces for a, b in tr.chunk_gaps() if a < hi and b > lo]
 
 
-def gaps_ending_within(
-    traces: Iterable[RequestTrace], lo: float, hi: float
-) -> List[float]:
+def gaps_ending_within(traces: Iterable[RequestTrace], lo: float, hi: float) -> list[float]:
     """Chunk gaps whose end time lies in [lo, hi] (for local step medians)."""
-    return [
-        b - a for tr in traces for a, b in tr.chunk_gaps() if lo <= b <= hi
-    ]
+    return [b - a for tr in traces for a, b in tr.chunk_gaps() if lo <= b <= hi]
 
 
 def analyze_switch(
     traces: Sequence[RequestTrace],
-    sw: Switch,
+    sw: ObservedSwitch,
     pad_s: float,
     local_window_s: float,
-    global_median_step_s: Optional[float],
-) -> Dict[str, object]:
+    global_median_step_s: float | None,
+) -> dict[str, object]:
     """Gap statistics around one switch.
 
     * ``max_gap_ms_near_switch``: the longest chunk gap overlapping
@@ -265,27 +252,23 @@ def analyze_switch(
     * ``gap_ratio`` = max gap / local median (global median if no local gap).
     """
     near = gaps_overlapping(traces, sw.t_lo - pad_s, sw.t_hi + pad_s)
-    local = gaps_ending_within(
-        traces, sw.t_lo - local_window_s, sw.t_hi + local_window_s
-    )
+    local = gaps_ending_within(traces, sw.t_lo - local_window_s, sw.t_hi + local_window_s)
     max_gap = max(near) if near else None
     local_med = median(local)
     ref = local_med if local_med else global_median_step_s
     return {
-        "max_gap_ms_near_switch": _ms(max_gap),
+        "max_gap_ms_near_switch": ms(max_gap),
         "num_gaps_near_switch": len(near),
-        "local_median_step_ms": _ms(local_med),
-        "median_step_ms": _ms(global_median_step_s),
+        "local_median_step_ms": ms(local_med),
+        "median_step_ms": ms(global_median_step_s),
         "gap_ratio": (max_gap / ref) if (max_gap is not None and ref) else None,
         "gap_ratio_global": (
-            max_gap / global_median_step_s
-            if (max_gap is not None and global_median_step_s)
-            else None
+            max_gap / global_median_step_s if (max_gap is not None and global_median_step_s) else None
         ),
     }
 
 
-def median_step(traces: Iterable[RequestTrace]) -> Optional[float]:
+def median_step(traces: Iterable[RequestTrace]) -> float | None:
     """Median chunk gap over all requests (seconds): the typical decode step
     as seen by a client when one chunk is streamed per forward step."""
     return median(b - a for tr in traces for a, b in tr.chunk_gaps())

@@ -18,29 +18,29 @@ import argparse
 import asyncio
 import sys
 import uuid
-from typing import Dict, Optional
 
 import aiohttp
 from tqdm import tqdm
 
 from . import client
-from .metrics import MetricsSnapshot, fetch_metrics
+from .fmt import fmt
 from .records import JsonlWriter, utc_now_iso
+from .scrape import MetricsSnapshot, fetch_metrics
 from .stats import summarize_point
 
 
-def requests_for(concurrency: int, requests_per_point: Optional[int]) -> int:
+def requests_for(concurrency: int, requests_per_point: int | None) -> int:
     """Default: two full waves of ``C`` requests, at least 4 requests."""
     if requests_per_point is not None:
         return requests_per_point
     return max(2 * concurrency, 4)
 
 
-def _delta(a: Optional[float], b: Optional[float]) -> Optional[float]:
+def _delta(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else b - a
 
 
-def mode_fields(before: Optional[MetricsSnapshot], after: Optional[MetricsSnapshot]) -> Dict[str, object]:
+def mode_fields(before: MetricsSnapshot | None, after: MetricsSnapshot | None) -> dict[str, object]:
     """Decode steps per mode taken during one point (``None`` without metrics)."""
     if before is None or after is None:
         spec = plain = None
@@ -55,7 +55,7 @@ def mode_fields(before: Optional[MetricsSnapshot], after: Optional[MetricsSnapsh
     }
 
 
-async def _metrics_or_none(session, base_url) -> Optional[MetricsSnapshot]:
+async def _metrics_or_none(session, base_url) -> MetricsSnapshot | None:
     try:
         snap = await fetch_metrics(session, base_url)
     except (asyncio.TimeoutError, aiohttp.ClientError, ValueError):
@@ -79,13 +79,21 @@ async def run_sweep(args: argparse.Namespace) -> int:
 
         if args.warmup > 0:
             payloads = client.make_payloads(
-                args.warmup, args.prompt_len, args.output_len, args.text,
-                args.token_range, f"{args.seed}/warmup",
+                args.warmup,
+                args.prompt_len,
+                args.output_len,
+                args.text,
+                args.token_range,
+                f"{args.seed}/warmup",
             )
-            with tqdm(total=len(payloads), desc="warmup", leave=False,
-                      disable=not args.progress, file=sys.stderr) as bar:
+            with tqdm(
+                total=len(payloads), desc="warmup", leave=False, disable=not args.progress, file=sys.stderr
+            ) as bar:
                 traces, _ = await client.run_closed_loop(
-                    session, generate_url, payloads, args.warmup,
+                    session,
+                    generate_url,
+                    payloads,
+                    args.warmup,
                     on_done=lambda _t: bar.update(1),
                 )
             client.check_errors(traces, "the warmup", generate_url)
@@ -98,14 +106,26 @@ async def run_sweep(args: argparse.Namespace) -> int:
                     # servers are compared on the same prompts, distinct
                     # across points so no point reuses another's KV cache.
                     payloads = client.make_payloads(
-                        n, args.prompt_len, args.output_len, args.text,
-                        args.token_range, f"{args.seed}/c{conc}/r{repeat}",
+                        n,
+                        args.prompt_len,
+                        args.output_len,
+                        args.text,
+                        args.token_range,
+                        f"{args.seed}/c{conc}/r{repeat}",
                     )
                     before = await _metrics_or_none(session, base) if use_metrics else None
-                    with tqdm(total=n, desc=f"C={conc} repeat {repeat}", leave=False,
-                              disable=not args.progress, file=sys.stderr) as bar:
+                    with tqdm(
+                        total=n,
+                        desc=f"C={conc} repeat {repeat}",
+                        leave=False,
+                        disable=not args.progress,
+                        file=sys.stderr,
+                    ) as bar:
                         traces, wall = await client.run_closed_loop(
-                            session, generate_url, payloads, conc,
+                            session,
+                            generate_url,
+                            payloads,
+                            conc,
                             on_done=lambda _t: bar.update(1),
                         )
                     after = await _metrics_or_none(session, base) if use_metrics else None
@@ -132,18 +152,14 @@ async def run_sweep(args: argparse.Namespace) -> int:
                     errors = f", {stats['num_errors']} FAILED" if stats["num_errors"] else ""
                     log(
                         f"[{args.config}] C={conc:<4d} repeat {repeat}: "
-                        f"{_fmt(stats['output_tok_s'], '.1f')} tok/s, "
-                        f"{_fmt(stats['per_request_tok_s'], '.1f')} tok/s/req, "
-                        f"ITL p50 {_fmt(stats['itl_p50_ms'], '.2f')} ms, "
-                        f"TTFT p50 {_fmt(stats['ttft_p50_ms'], '.1f')} ms, "
-                        f"accept {_fmt(stats['accept_length'], '.2f')}{errors}"
+                        f"{fmt(stats['output_tok_s'], '.1f')} tok/s, "
+                        f"{fmt(stats['per_request_tok_s'], '.1f')} tok/s/req, "
+                        f"ITL p50 {fmt(stats['itl_p50_ms'], '.2f')} ms, "
+                        f"TTFT p50 {fmt(stats['ttft_p50_ms'], '.1f')} ms, "
+                        f"accept {fmt(stats['accept_length'], '.2f')}{errors}"
                     )
                     if stats["num_errors"]:
                         first = next(t.error for t in traces if t.error)
                         log(f"  first error: {first}")
     log(f"results appended to {args.out}" if not args.overwrite else f"results written to {args.out}")
     return 0
-
-
-def _fmt(v, spec: str) -> str:
-    return "n/a" if v is None else format(v, spec)

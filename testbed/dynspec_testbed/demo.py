@@ -1,6 +1,6 @@
 """CPU demo: EAGLE3_DYNAMIC switching under a load ramp, checked against a plain server.
 
-    python -m sglang_dynspec.demo [--work-dir DIR] [--threshold N]
+    python -m dynspec_testbed.demo [--work-dir DIR] [--threshold N]
 
 On any machine with a few CPU cores and no GPU, in a few minutes, it:
 
@@ -34,23 +34,36 @@ def _say(message: str) -> None:
 
 
 def _run_ramp(url: str, waves, label: str, on_wave=None):
-    from sglang_dynspec.testbed.workload import run_waves
+    from dynspec_testbed.workload import run_waves
 
     with tqdm(total=len(waves), desc=f"{label}: ramp", unit="wave", leave=False) as bar:
+
         def step(index, wave):
             if on_wave is not None:
                 on_wave(index, wave)
             bar.update(1)
+
         return run_waves(url, waves, on_wave=step)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sglang_dynspec.demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work-dir", type=Path, default=None,
-                        help="where models and server logs go (default: a new temporary directory)")
-    parser.add_argument("--threshold", type=int, default=4,
-                        help="--speculative-disable-batch-threshold for the demo server (default 4)")
+    parser = argparse.ArgumentParser(
+        prog="python -m dynspec_testbed.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="where models and server logs go (default: a new temporary directory)",
+    )
+    parser.add_argument(
+        "--threshold",
+        type=int,
+        default=4,
+        help="--speculative-disable-batch-threshold for the demo server (default 4)",
+    )
     parser.add_argument("--seed", type=int, default=7, help="seed of the random prompts")
     args = parser.parse_args(argv)
 
@@ -58,9 +71,9 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
 
-    from sglang_dynspec.testbed.models import build_models
-    from sglang_dynspec.testbed.server import CpuServer
-    from sglang_dynspec.testbed.workload import compare_outputs, count_tokens, plugin_counters, waves_of
+    from dynspec_testbed.models import build_models
+    from dynspec_testbed.server import CpuServer
+    from dynspec_testbed.workload import compare_outputs, count_tokens, plugin_counters, waves_of
 
     _say(f"building the tiny test-bed models in {work / 'models'}")
     models = build_models(work / "models")
@@ -74,15 +87,27 @@ def main(argv=None) -> int:
 
     n = args.threshold
     dyn_args = [
-        "--model-path", models["target"],
-        "--speculative-algorithm", "EAGLE3_DYNAMIC",
-        "--speculative-draft-model-path", models["draft"],
-        "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
-        "--speculative-num-draft-tokens", "4",
-        "--speculative-disable-batch-threshold", str(n),
-        "--speculative-min-dwell-steps", "2",
-        "--max-running-requests", "16",
-        "--enable-metrics", "--log-level", "info",
+        "--model-path",
+        models["target"],
+        "--speculative-algorithm",
+        "EAGLE3_DYNAMIC",
+        "--speculative-draft-model-path",
+        models["draft"],
+        "--speculative-num-steps",
+        "3",
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        "4",
+        "--speculative-disable-batch-threshold",
+        str(n),
+        "--speculative-min-dwell-steps",
+        "2",
+        "--max-running-requests",
+        "16",
+        "--enable-metrics",
+        "--log-level",
+        "info",
     ]
     _say(f"starting an EAGLE3_DYNAMIC server (plain decode above {n} running requests)")
     timeline = []
@@ -94,8 +119,15 @@ def main(argv=None) -> int:
         def record(index, wave):
             nonlocal before
             now = plugin_counters(server.url)
-            timeline.append((index, len(wave), now.steps_spec - before.steps_spec,
-                             now.steps_plain - before.steps_plain, now.mode))
+            timeline.append(
+                (
+                    index,
+                    len(wave),
+                    now.steps_spec - before.steps_spec,
+                    now.steps_plain - before.steps_plain,
+                    now.mode,
+                )
+            )
             before = now
 
         dynamic = _run_ramp(server.url, waves, "EAGLE3_DYNAMIC", on_wave=record)
@@ -107,14 +139,23 @@ def main(argv=None) -> int:
     for index, size, spec, plain, mode in timeline:
         after = "spec" if mode == 1 else "plain"
         print(f"  {index + 1:>4}  {size:>8}  {spec:>10.0f}  {plain:>11.0f}  {after}")
-    print(f"  total: {totals.steps_spec:.0f} speculative and {totals.steps_plain:.0f} plain decode steps; "
-          f"{totals.switches_to_plain:.0f} switches to plain, {totals.switches_to_spec:.0f} back to EAGLE-3")
+    print(
+        f"  total: {totals.steps_spec:.0f} speculative and {totals.steps_plain:.0f} plain decode steps; "
+        f"{totals.switches_to_plain:.0f} switches to plain, {totals.switches_to_spec:.0f} back to EAGLE-3"
+    )
     if totals.catch_ups is not None:
-        print(f"  draft catch-up: {sum(totals.catch_ups.values()):.0f} replays "
-              f"({', '.join(f'{k} {v:.0f}' for k, v in totals.catch_ups.items())}) "
-              f"of {totals.catch_up_tokens:.0f} positions decoded plain")
-    switches = [line.split("] ", 1)[-1] for line in log_path.read_text().splitlines()
-                if re.search(r"\[sglang-dynspec\] (spec -> plain|plain -> spec|draft catch-up \(resume|first spec)", line)]
+        print(
+            f"  draft catch-up: {sum(totals.catch_ups.values()):.0f} replays "
+            f"({', '.join(f'{k} {v:.0f}' for k, v in totals.catch_ups.items())}) "
+            f"of {totals.catch_up_tokens:.0f} positions decoded plain"
+        )
+    switches = [
+        line.split("] ", 1)[-1]
+        for line in log_path.read_text().splitlines()
+        if re.search(
+            r"\[sglang-dynspec\] (spec -> plain|plain -> spec|draft catch-up \(resume|first spec)", line
+        )
+    ]
     if switches:
         print("Switches and resumes, as the server logged them:")
         for line in switches:
@@ -127,8 +168,10 @@ def main(argv=None) -> int:
     print()
     elapsed = time.monotonic() - started
     if not (totals.switches_to_plain and totals.switches_to_spec):
-        print("NO SWITCH: the ramp did not move EAGLE3_DYNAMIC into plain mode and back "
-              f"(logs in {work}); the comparison would show nothing.")
+        print(
+            "NO SWITCH: the ramp did not move EAGLE3_DYNAMIC into plain mode and back "
+            f"(logs in {work}); the comparison would show nothing."
+        )
         return 1
     if mismatches:
         print(f"MISMATCH: {len(mismatches)} of {n_requests} outputs differ from the non-speculative server:")
@@ -136,8 +179,10 @@ def main(argv=None) -> int:
             print(f"  {mm}")
         print(f"(logs in {work}; {elapsed:.0f} s)")
         return 1
-    print(f"All {n_requests} outputs ({count_tokens(dynamic)} tokens) are identical to the "
-          f"non-speculative server's, token for token. ({elapsed:.0f} s; logs in {work})")
+    print(
+        f"All {n_requests} outputs ({count_tokens(dynamic)} tokens) are identical to the "
+        f"non-speculative server's, token for token. ({elapsed:.0f} s; logs in {work})"
+    )
     return 0
 
 

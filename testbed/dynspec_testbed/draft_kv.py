@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Dict
 
 import torch
 
@@ -69,9 +68,6 @@ def _dump_before_release(req, tree_cache, *args, **kwargs):
     return None
 
 
-def load_dumps(directory) -> Dict[str, dict]:
+def load_dumps(directory) -> dict[str, dict]:
     """``{rid: record}`` for every dump file in ``directory``."""
-    return {
-        path.stem: torch.load(path, weights_only=False)
-        for path in sorted(Path(directory).glob("*.pt"))
-    }
+    return {path.stem: torch.load(path, weights_only=False) for path in sorted(Path(directory).glob("*.pt"))}

@@ -22,7 +22,7 @@ the numbers the benchmark should compute are known in advance.
 
 Run standalone for a dry run of the CLI::
 
-    python -m sglang_dynspec.bench.fake_server --port 30000 --switch-above 16
+    python -m dynspec_testbed.fake_server --port 30000 --switch-above 16
 """
 
 from __future__ import annotations
@@ -33,10 +33,24 @@ import itertools
 import json
 import threading
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from sglang_dynspec.bench.scrape import RUNNING
+from sglang_dynspec.metric_names import HELP, MODE_GAUGE, MODES, STEPS_COUNTER, SWITCHES_COUNTER
+
+_PLUGIN_METRICS = (MODE_GAUGE, STEPS_COUNTER, SWITCHES_COUNTER)
+
+
+def _mode_name(mode: int) -> str:
+    """The ``mode`` / ``to`` label value of mode 1 (speculating) or 0 (plain)."""
+    spec, plain = MODES
+    return spec if mode else plain
+
+
+def _is_plugin_line(line: str) -> bool:
+    return any(name in line for name in _PLUGIN_METRICS)
 
 
 @dataclass
@@ -46,7 +60,7 @@ class _Req:
     queue: asyncio.Queue
     generated: int = 0
     spec_steps: int = 0
-    output_ids: List[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
 
 
 class FakeSGLang:
@@ -54,14 +68,14 @@ class FakeSGLang:
         self,
         step_s: float = 0.01,
         spec_tokens: int = 3,
-        switch_above: Optional[int] = None,
+        switch_above: int | None = None,
         switch_stall_s: float = 0.0,
         start_in_spec: bool = True,
         plugin_metrics: bool = True,
         metrics_endpoint: bool = True,
         tp_ranks: int = 1,
         version: str = "0.5.23",
-        info_path: Optional[str] = "/server_info",
+        info_path: str | None = "/server_info",
         incremental: bool = False,
         skip_tokenizer_init: bool = False,
         error_every: int = 0,
@@ -80,25 +94,24 @@ class FakeSGLang:
         self.skip_tokenizer_init = skip_tokenizer_init
         self.error_every = error_every
 
-        self.active: Dict[int, _Req] = {}
+        self.active: dict[int, _Req] = {}
         self.num_requests = 0
         self.num_switches = 0
-        self.switch_times: List[float] = []  # loop.time() of every switch
         self._rids = itertools.count()
-        self._wake: Optional[asyncio.Event] = None
-        self._loop_task: Optional[asyncio.Task] = None
-        self._runner: Optional[web.AppRunner] = None
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._runner: web.AppRunner | None = None
 
         self.registry = CollectorRegistry()
         labels = ["model_name", "tp_rank"]
-        self._g_mode = Gauge("sglang:spec_dynamic_mode", "1 = speculating",
-                             labels, registry=self.registry)
-        self._c_steps = Counter("sglang:spec_dynamic_decode_steps", "decode steps",
-                                labels + ["mode"], registry=self.registry)
-        self._c_switch = Counter("sglang:spec_dynamic_switches", "switches",
-                                 labels + ["to"], registry=self.registry)
-        self._g_running = Gauge("sglang:num_running_reqs", "running requests",
-                                labels, registry=self.registry)
+        self._g_mode = Gauge(MODE_GAUGE, HELP[MODE_GAUGE], labels, registry=self.registry)
+        self._c_steps = Counter(STEPS_COUNTER, HELP[STEPS_COUNTER], [*labels, "mode"], registry=self.registry)
+        self._c_switch = Counter(
+            SWITCHES_COUNTER, HELP[SWITCHES_COUNTER], [*labels, "to"], registry=self.registry
+        )
+        self._g_running = Gauge(
+            RUNNING, "Running requests (SGLang's own gauge).", labels, registry=self.registry
+        )
         self._set_mode_gauge()
 
     # -- metrics -----------------------------------------------------------
@@ -115,9 +128,7 @@ class FakeSGLang:
             self._g_running.labels(**lb).set(len(self.active) if lb["tp_rank"] == "0" else 0)
         text = generate_latest(self.registry).decode()
         if not self.plugin_metrics:
-            text = "\n".join(
-                line for line in text.splitlines() if "spec_dynamic" not in line
-            ) + "\n"
+            text = "\n".join(line for line in text.splitlines() if not _is_plugin_line(line)) + "\n"
         return text
 
     # -- scheduler -----------------------------------------------------------
@@ -143,16 +154,15 @@ class FakeSGLang:
                 if want != self.mode:
                     self.mode = want
                     self.num_switches += 1
-                    self.switch_times.append(loop.time())
                     for lb in self._ranks():
-                        self._c_switch.labels(**lb, to="spec" if want else "plain").inc()
+                        self._c_switch.labels(**lb, to=_mode_name(want)).inc()
                     self._set_mode_gauge()
                     if self.switch_stall_s:
                         # What a switch that is not seamless looks like to
                         # clients: one step takes longer.
                         await asyncio.sleep(self.switch_stall_s)
                         next_t += self.switch_stall_s
-            mode_label = "spec" if self.mode else "plain"
+            mode_label = _mode_name(self.mode)
             for lb in self._ranks():
                 self._c_steps.labels(**lb, mode=mode_label).inc()
             for req in batch:
@@ -172,7 +182,7 @@ class FakeSGLang:
                     del self.active[req.rid]
             next_t += self.step_s
 
-    def _chunk(self, req: _Req, new_ids: List[int], finished: bool) -> dict:
+    def _chunk(self, req: _Req, new_ids: list[int], finished: bool) -> dict:
         meta = {
             "id": str(req.rid),
             "prompt_tokens": 0,
@@ -227,11 +237,13 @@ class FakeSGLang:
         return web.Response(text=self.metrics_text(), content_type="text/plain")
 
     async def _server_info(self, request: web.Request) -> web.Response:
-        return web.json_response({
-            "version": self.version,
-            "model_path": "fake/model",
-            "speculative_algorithm": "EAGLE3_DYNAMIC",
-        })
+        return web.json_response(
+            {
+                "version": self.version,
+                "model_path": "fake/model",
+                "speculative_algorithm": "EAGLE3_DYNAMIC",
+            }
+        )
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(text="")
@@ -277,7 +289,7 @@ class FakeServerThread:
 
     def __init__(self, fake: FakeSGLang):
         self.fake = fake
-        self.url: Optional[str] = None
+        self.url: str | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
@@ -296,22 +308,27 @@ class FakeServerThread:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m sglang_dynspec.bench.fake_server",
+        prog="python -m dynspec_testbed.fake_server",
         description="Fake SGLang server (streaming /generate, /metrics, /server_info) "
-                    "for trying the benchmark without a GPU.",
+        "for trying the benchmark without a GPU.",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--step-ms", type=float, default=10.0, help="decode step time")
-    p.add_argument("--spec-tokens", type=int, default=3,
-                   help="tokens per step while speculating")
-    p.add_argument("--switch-above", type=int, default=None,
-                   help="stop speculating while more than N requests run")
-    p.add_argument("--stall-ms", type=float, default=0.0,
-                   help="extra delay of the step in which a switch happens")
+    p.add_argument("--spec-tokens", type=int, default=3, help="tokens per step while speculating")
+    p.add_argument(
+        "--switch-above", type=int, default=None, help="stop speculating while more than N requests run"
+    )
+    p.add_argument(
+        "--stall-ms", type=float, default=0.0, help="extra delay of the step in which a switch happens"
+    )
     a = p.parse_args(argv)
-    fake = FakeSGLang(step_s=a.step_ms / 1000, spec_tokens=a.spec_tokens,
-                      switch_above=a.switch_above, switch_stall_s=a.stall_ms / 1000)
+    fake = FakeSGLang(
+        step_s=a.step_ms / 1000,
+        spec_tokens=a.spec_tokens,
+        switch_above=a.switch_above,
+        switch_stall_s=a.stall_ms / 1000,
+    )
 
     async def serve():
         url = await fake.start(a.host, a.port)

@@ -1,6 +1,6 @@
 """Tiny deterministic models for the CPU test bed.
 
-``python -m sglang_dynspec.testbed.models DIR`` (or ``build_models(DIR)``) writes:
+``python -m dynspec_testbed.models DIR`` (or ``build_models(DIR)``) writes:
 
 * ``DIR/target``: a random-weight Llama (hidden 256, 4 layers, GQA 4/2 heads,
   vocab 512) with a byte-level BPE tokenizer trained locally, so nothing is
@@ -31,7 +31,7 @@ import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -81,7 +81,7 @@ AGREE_TOKEN = 300
 _AGREE_VALUE = 10.0
 
 
-def build_models(root) -> Dict[str, Path]:
+def build_models(root) -> dict[str, Path]:
     """Write the four test-bed models under ``root`` unless already complete.
 
     Returns ``{"target": root/target, "draft": ..., "target-agree": ...,
@@ -185,9 +185,7 @@ def _llama_config(tokenizer, **extra) -> "LlamaConfig":
 def _random_target(tokenizer) -> "LlamaForCausalLM":
     from transformers import LlamaForCausalLM
 
-    config = _llama_config(
-        tokenizer, num_hidden_layers=SHAPE.num_layers, initializer_range=0.1
-    )
+    config = _llama_config(tokenizer, num_hidden_layers=SHAPE.num_layers, initializer_range=0.1)
     return LlamaForCausalLM(config).to(torch.float32)
 
 
@@ -210,7 +208,7 @@ def _draft_config(tokenizer) -> "LlamaConfig":
     )
 
 
-def _random_draft_weights() -> Dict[str, torch.Tensor]:
+def _random_draft_weights() -> dict[str, torch.Tensor]:
     """One EAGLE-3 decoder layer in the public checkpoint key layout.
 
     The layer's attention reads ``[input embedding, hidden state]`` concatenated,
@@ -259,7 +257,7 @@ def _reads_only_agree_dim(lm_head: torch.Tensor) -> torch.Tensor:
     return head
 
 
-def _agree_target_weights(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def _agree_target_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every embedding carries +10 in AGREE_DIM; no layer writes that dimension
     (o_proj / down_proj output rows zeroed), so it reaches the final norm intact
     and lm_head, reading only that dimension, always ranks AGREE_TOKEN first."""
@@ -272,7 +270,7 @@ def _agree_target_weights(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Ten
     return state
 
 
-def _agree_draft_weights(weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def _agree_draft_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``fc`` copies AGREE_DIM of the first captured target state (+10, see
     above) into the draft's hidden state; the draft layer does not write it, and
     lm_head reads only it, so the draft always proposes AGREE_TOKEN too."""
@@ -294,7 +292,9 @@ def _predicts_shifted(embeddings: torch.Tensor, shift: int) -> torch.Tensor:
     return torch.roll(embeddings, shifts=shift, dims=0).clone()
 
 
-def _count_target_weights(state: Dict[str, torch.Tensor], embeddings: torch.Tensor) -> Dict[str, torch.Tensor]:
+def _count_target_weights(
+    state: dict[str, torch.Tensor], embeddings: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """No layer writes the residual stream (o_proj, down_proj zero), so the final
     state at every position is the embedding of its token, and every captured aux
     state too; lm_head maps it to the next count."""
@@ -307,7 +307,9 @@ def _count_target_weights(state: Dict[str, torch.Tensor], embeddings: torch.Tens
     return state
 
 
-def _count_draft_weights(weights: Dict[str, torch.Tensor], embeddings: torch.Tensor) -> Dict[str, torch.Tensor]:
+def _count_draft_weights(
+    weights: dict[str, torch.Tensor], embeddings: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """``fc`` passes the first aux state (the embedding of the token at position
     ``p``) through as the draft's residual; the layer adds nothing (o_proj,
     down_proj zero) but still writes K and V from its inputs, and lm_head ranks

@@ -1,13 +1,16 @@
 """SGLang plugin of the CPU test bed: runs the spec-v2 overlap scheduler on CPU.
 
-Registered as entry point ``dynspec_testbed`` in group ``sglang.srt.plugins``, so
-SGLang's ``load_plugins()`` runs ``register()`` in the launcher *and* in every
-spawned scheduler process. It changes nothing unless asked, because installing
-this package must never alter a production server.
+Registered as entry point ``dynspec_testbed`` in group ``sglang.srt.plugins`` by the
+``sglang-dynspec-testbed`` distribution (``testbed/``; a serving install of
+``sglang-dynspec`` does not have it), so SGLang's ``load_plugins()`` runs
+``register()`` in the launcher *and* in every spawned scheduler process. It still
+changes nothing unless asked (``SGLANG_DYNSPEC_TESTBED=1``), so that installing the
+test bed for the tests never alters another server on the same machine.
 
-Environment variables
+Environment variables (booleans read with ``sglang_dynspec.config.env_bool``:
+1/true/yes/on or 0/false/no/off)
     ``SGLANG_DYNSPEC_TESTBED=1``
-        Arms the plugin. ``python -m sglang_dynspec.testbed.serve`` sets it.
+        Arms the plugin. ``python -m dynspec_testbed.serve`` sets it.
     ``SGLANG_DYNSPEC_TESTBED_DRAFT_KV_DIR=<dir>``
         Writes the draft KV rows of every finished request under ``<dir>``
         (``draft_kv.py``), for the catch-up tests.
@@ -39,6 +42,8 @@ import os
 
 import torch
 
+from sglang_dynspec.config import env_bool
+
 logger = logging.getLogger(__name__)
 
 TESTBED_ENV = "SGLANG_DYNSPEC_TESTBED"
@@ -47,34 +52,20 @@ OVERLAP_ENV = "SGLANG_DYNSPEC_TESTBED_OVERLAP"
 GATHER_SPEC_EXTRAS = "sglang.kernels.ops.speculative.gather_spec_extras.gather_spec_extras"
 CPU_OVERLAP_RULE = "sglang.srt.arg_groups.speculative_hook._disable_overlap_schedule_for_cpu"
 
-_TRUE = ("1", "true", "yes", "y")
-_FALSE = ("", "0", "false", "no", "n")
-
 _registered = False
 _gather_used = False
 
 
-def env_flag(name: str) -> bool:
-    """Parse a boolean environment variable; a value that is neither raises."""
-    raw = os.environ.get(name, "")
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"{name}={raw!r}: expected one of 1/true/yes or 0/false/no")
-
-
 def overlap_requested() -> bool:
-    return env_flag(TESTBED_ENV) and env_flag(OVERLAP_ENV)
+    return env_bool(TESTBED_ENV, False) and env_bool(OVERLAP_ENV, False)
 
 
 def register() -> None:
     """Entry point. Idempotent: SGLang may call plugins more than once per process."""
     global _registered
-    if _registered or not env_flag(TESTBED_ENV):
+    if _registered or not env_bool(TESTBED_ENV, False):
         return
-    from sglang_dynspec.testbed import draft_kv
+    from dynspec_testbed import draft_kv
 
     if os.environ.get(draft_kv.DUMP_DIR_ENV):
         draft_kv.register_hooks()
@@ -98,9 +89,7 @@ def gather_spec_extras_torch(
     global _gather_used
     if not _gather_used:
         _gather_used = True
-        logger.info(
-            "sglang_dynspec test bed: torch gather_spec_extras in use (pid %d)", os.getpid()
-        )
+        logger.info("sglang_dynspec test bed: torch gather_spec_extras in use (pid %d)", os.getpid())
     rows = indices.to(torch.int64)
     hidden_states = None if hidden_states_buf is None else hidden_states_buf[rows]
     return topk_p_buf[rows], topk_index_buf[rows], output_tokens_buf[rows], hidden_states

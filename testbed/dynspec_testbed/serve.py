@@ -1,6 +1,6 @@
 """Start a real SGLang HTTP server on a CPU (no GPU, no AMX needed).
 
-    python -m sglang_dynspec.testbed.serve --model-path DIR/target [SGLang server args]
+    python -m dynspec_testbed.serve --model-path DIR/target [SGLang server args]
 
 Works without speculation, with ``--speculative-algorithm EAGLE3`` and with
 ``--speculative-algorithm EAGLE3_DYNAMIC`` (this project's plugin, loaded from
@@ -28,24 +28,25 @@ its ``sglang.srt.plugins`` entry point). What it sets up, and why:
 Environment variables
     ``SGLANG_DYNSPEC_TESTBED_OVERLAP=1``
         Run speculative decoding with the spec-v2 overlap scheduler (SGLang turns
-        it off on CPU). See ``sglang_dynspec.testbed.plugin``.
+        it off on CPU). See ``dynspec_testbed.plugin``.
     ``SGLANG_USE_CPU_ENGINE``, ``SGLANG_DYNSPEC_TESTBED``, ``PYTHONPATH``
         Set by this module, as described above.
 """
 
 import os
 import sys
-from typing import Dict, List, Mapping, Sequence, Tuple
+from collections.abc import Mapping, Sequence
 
-from sglang_dynspec.testbed import SHIM_DIR
-from sglang_dynspec.testbed.plugin import OVERLAP_ENV, TESTBED_ENV, env_flag
+from dynspec_testbed import SHIM_DIR
+from dynspec_testbed.plugin import OVERLAP_ENV, TESTBED_ENV
+from sglang_dynspec.config import env_bool
 
-MODULE = "sglang_dynspec.testbed.serve"
+MODULE = "dynspec_testbed.serve"
 
 # (flag, value, flags that already decide it). A default is added only when none
 # of its deciding flags is on the command line.
 _CUDA_GRAPH_OFF = ("--disable-cuda-graph", "--cuda-graph-config")
-CPU_DEFAULTS: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
+CPU_DEFAULTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("--device", "cpu", ()),
     ("--attention-backend", "intel_amx", ()),
     ("--dtype", "float32", ()),
@@ -66,7 +67,7 @@ CPU_DEFAULTS: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
 )
 
 
-def server_environment(base: Mapping[str, str]) -> Dict[str, str]:
+def server_environment(base: Mapping[str, str]) -> dict[str, str]:
     """``base`` plus what a test-bed SGLang process needs (idempotent)."""
     env = dict(base)
     shim = str(SHIM_DIR)
@@ -77,10 +78,10 @@ def server_environment(base: Mapping[str, str]) -> Dict[str, str]:
     return env
 
 
-def with_cpu_defaults(argv: Sequence[str]) -> List[str]:
+def with_cpu_defaults(argv: Sequence[str]) -> list[str]:
     """``argv`` followed by every CPU default it does not already decide."""
     given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
-    extra: List[str] = []
+    extra: list[str] = []
     for flag, value, deciders in CPU_DEFAULTS:
         if flag not in given and given.isdisjoint(deciders):
             extra += [flag, value]
@@ -112,7 +113,7 @@ def _check_stand_in_shadows_wheel() -> None:
 
 def main(argv: Sequence[str] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    env_flag(OVERLAP_ENV)  # a malformed value fails here, not inside a scheduler
+    env_bool(OVERLAP_ENV, False)  # a malformed value fails here, not inside a scheduler
     _ensure_environment(argv)
 
     from sglang.launch_server import run_server
@@ -121,7 +122,7 @@ def main(argv: Sequence[str] = None) -> None:
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree
 
-    from sglang_dynspec.testbed.plugin import assert_overlap_kept
+    from dynspec_testbed.plugin import assert_overlap_kept
 
     load_plugins()
     server_args = prepare_server_args(with_cpu_defaults(argv))

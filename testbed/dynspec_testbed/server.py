@@ -1,11 +1,11 @@
 """Run a test-bed SGLang server from Python, and talk to it over HTTP.
 
-    from sglang_dynspec.testbed.server import CpuServer, generate
+    from dynspec_testbed.server import CpuServer, generate
 
     with CpuServer(["--model-path", models["target"]], log_path=tmp / "server.log") as server:
         out = generate(server.url, [0, 483, 14], max_new_tokens=16)
 
-``CpuServer`` starts ``python -m sglang_dynspec.testbed.serve`` in its own process
+``CpuServer`` starts ``python -m dynspec_testbed.serve`` in its own process
 group on a free 127.0.0.1 port and stops the whole group on exit, so no scheduler
 process outlives the block. An idle SGLang scheduler keeps a CPU core busy: on a
 small machine run one server at a time.
@@ -17,13 +17,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any
 
 import httpx
 
-from sglang_dynspec.testbed.serve import MODULE, server_environment
+from dynspec_testbed.serve import MODULE, server_environment
 
 HOST = "127.0.0.1"
 LOG_TAIL_LINES = 60
@@ -50,7 +51,7 @@ class CpuServer:
         server_args: Sequence[Any],
         *,
         log_path: Path,
-        env: Optional[Mapping[str, str]] = None,
+        env: Mapping[str, str] | None = None,
         startup_timeout: float = 300.0,
         stop_timeout: float = 30.0,
     ):
@@ -61,14 +62,12 @@ class CpuServer:
         self.port = _free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.log_path = Path(log_path)
-        self.command = [
-            sys.executable, "-m", MODULE, *args, "--host", HOST, "--port", str(self.port)
-        ]
+        self.command = [sys.executable, "-m", MODULE, *args, "--host", HOST, "--port", str(self.port)]
         self._env = server_environment({**os.environ, **(env or {})})
         self._startup_timeout = startup_timeout
         self._stop_timeout = stop_timeout
-        self._process: Optional[subprocess.Popen] = None
-        self.startup_seconds: Optional[float] = None
+        self._process: subprocess.Popen | None = None
+        self.startup_seconds: float | None = None
 
     def __enter__(self) -> "CpuServer":
         self.start()
@@ -178,10 +177,10 @@ def generate(
     input_ids: Sequence[int],
     max_new_tokens: int,
     *,
-    sampling_params: Optional[Mapping[str, Any]] = None,
+    sampling_params: Mapping[str, Any] | None = None,
     timeout: float = 300.0,
     **extra: Any,
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """POST ``/generate`` and return the response JSON.
 
     Decoding is greedy (``temperature 0``) unless ``sampling_params`` says
@@ -209,7 +208,7 @@ def generate(
 
 def generate_concurrently(
     url: str, requests: Sequence[Mapping[str, Any]], concurrency: int
-) -> List[Dict[str, Any]]:
+) -> list[dict[str, Any]]:
     """Send ``requests`` with at most ``concurrency`` in flight; results in input order.
 
     Each request is a mapping of ``generate`` keyword arguments, e.g.
@@ -222,7 +221,7 @@ def generate_concurrently(
         return [future.result() for future in futures]
 
 
-def get_loads(url: str, timeout: float = 30.0) -> List[Dict[str, Any]]:
+def get_loads(url: str, timeout: float = 30.0) -> list[dict[str, Any]]:
     """Per-DP-rank load snapshots from ``/v1/loads`` (``num_running_reqs``,
     ``num_waiting_reqs``, ``num_used_tokens``, ``max_total_num_tokens``, ...)."""
     response = httpx.get(f"{url}/v1/loads", timeout=timeout)
@@ -230,7 +229,7 @@ def get_loads(url: str, timeout: float = 30.0) -> List[Dict[str, Any]]:
     return response.json()["loads"]
 
 
-def wait_until_idle(url: str, timeout: float = 30.0) -> List[Dict[str, Any]]:
+def wait_until_idle(url: str, timeout: float = 30.0) -> list[dict[str, Any]]:
     """Poll ``/v1/loads`` until no rank has running or waiting requests, and
     return that snapshot. A KV leak then shows as ``num_used_tokens > 0``.
 

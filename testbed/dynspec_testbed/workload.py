@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any
 
 import httpx
 
-from sglang_dynspec.testbed.server import generate, generate_concurrently
+from dynspec_testbed.server import generate, generate_concurrently
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class Request:
     max_new_tokens: int
     extra: Mapping[str, Any] = field(default_factory=dict)  # e.g. return_logprob, sampling_params
 
-    def kwargs(self) -> Dict[str, Any]:
+    def kwargs(self) -> dict[str, Any]:
         extra = dict(self.extra)
         sampling = {"ignore_eos": True, **extra.pop("sampling_params", {})}
         return {
@@ -49,8 +50,8 @@ def random_requests(
     vocab: Sequence[int] = (3, 500),
     prompt_len: Sequence[int] = (4, 24),
     new_tokens: Sequence[int] = (6, 40),
-    extra: Optional[Mapping[str, Any]] = None,
-) -> List[Request]:
+    extra: Mapping[str, Any] | None = None,
+) -> list[Request]:
     """``count`` requests with random prompts (token ids in ``vocab``) and lengths."""
     rng = random.Random(seed)
     return [
@@ -64,7 +65,7 @@ def random_requests(
     ]
 
 
-def split_into_waves(requests: Sequence[Request], sizes: Sequence[int]) -> List[List[Request]]:
+def split_into_waves(requests: Sequence[Request], sizes: Sequence[int]) -> list[list[Request]]:
     """Consecutive groups of the given sizes (their sum must equal ``len(requests)``)."""
     if sum(sizes) != len(requests):
         raise ValueError(f"wave sizes {list(sizes)} sum to {sum(sizes)}, not {len(requests)}")
@@ -75,18 +76,18 @@ def split_into_waves(requests: Sequence[Request], sizes: Sequence[int]) -> List[
     return waves
 
 
-def waves_of(sizes: Sequence[int], *, seed: int, prefix: str = "w", **kwargs) -> List[List[Request]]:
+def waves_of(sizes: Sequence[int], *, seed: int, prefix: str = "w", **kwargs) -> list[list[Request]]:
     """Random requests grouped in waves of the given sizes."""
     return split_into_waves(random_requests(sum(sizes), seed=seed, prefix=prefix, **kwargs), sizes)
 
 
-def run_waves(url: str, waves: Sequence[Sequence[Request]], on_wave=None) -> Dict[str, dict]:
+def run_waves(url: str, waves: Sequence[Sequence[Request]], on_wave=None) -> dict[str, dict]:
     """Send each wave concurrently, one wave after another; responses by request id.
 
     ``on_wave(index, wave)`` is called after each wave completes (the demo uses it
     to read the server's mode counters between waves).
     """
-    results: Dict[str, dict] = {}
+    results: dict[str, dict] = {}
     for index, wave in enumerate(waves):
         responses = generate_concurrently(url, [r.kwargs() for r in wave], concurrency=len(wave))
         results.update({r.rid: resp for r, resp in zip(wave, responses)})
@@ -95,7 +96,9 @@ def run_waves(url: str, waves: Sequence[Sequence[Request]], on_wave=None) -> Dic
     return results
 
 
-def run_staggered(url: str, requests: Sequence[Request], gap_s: float, concurrency: int = 16) -> Dict[str, dict]:
+def run_staggered(
+    url: str, requests: Sequence[Request], gap_s: float, concurrency: int = 16
+) -> dict[str, dict]:
     """Start requests ``gap_s`` apart, so they join a batch that is already decoding."""
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         futures = []
@@ -123,9 +126,9 @@ def _first_difference(a: Sequence[int], b: Sequence[int]) -> str:
 
 def compare_outputs(
     reference: Mapping[str, dict], candidate: Mapping[str, dict], logprob_tolerance: float = 1e-3
-) -> List[Mismatch]:
+) -> list[Mismatch]:
     """Token-for-token comparison of greedy outputs (and logprobs where returned)."""
-    mismatches: List[Mismatch] = []
+    mismatches: list[Mismatch] = []
     if set(reference) != set(candidate):
         missing = sorted(set(reference) ^ set(candidate))
         return [Mismatch("*", f"request ids differ: {missing[:10]}")]
@@ -160,8 +163,8 @@ def count_tokens(results: Mapping[str, dict]) -> int:
 # ----------------------------------------------------------------- server state
 def plugin_counters(url: str):
     """EAGLE3_DYNAMIC's mode, step and switch counters from ``/metrics``
-    (needs ``--enable-metrics``), as a ``bench.metrics.MetricsSnapshot``."""
-    from sglang_dynspec.bench.metrics import parse_metrics
+    (needs ``--enable-metrics``), as a ``bench.scrape.MetricsSnapshot``."""
+    from sglang_dynspec.bench.scrape import parse_metrics
 
     response = httpx.get(f"{url}/metrics", timeout=30)
     response.raise_for_status()

@@ -9,7 +9,7 @@ Why it exists
     lets the real SGLang scheduler, spec-v2 and plugin logic run on any x86 CPU.
 
 How it is used
-    ``sglang_dynspec.testbed.serve`` puts the parent directory (``_shim``) first
+    ``dynspec_testbed.serve`` puts the parent directory (``_shim``) first
     on ``PYTHONPATH``, so this package shadows the wheel in the launcher and in
     every scheduler process SGLang spawns.
 
@@ -51,7 +51,8 @@ from ._spec_ops import (
     verify_tree_greedy_cpu,
 )
 
-IMPLEMENTED_OPS = (
+# The ops implemented here (re-exported: a lookup on a stub submodule falls back to them).
+__all__ = (
     "assign_draft_cache_locs_contiguous_cpu",
     "assign_extend_cache_locs_cpu",
     "assign_req_to_token_pool_cpu",
@@ -64,6 +65,7 @@ IMPLEMENTED_OPS = (
     "fill_bonus_tokens_cpu",
     "verify_tree_greedy_cpu",
 )
+IMPLEMENTED_OPS = __all__
 
 
 class MissingOp:
@@ -76,7 +78,7 @@ class MissingOp:
         raise NotImplementedError(
             f"sgl_kernel stand-in (sglang_dynspec test bed): '{self._qualified_name}' "
             "is not implemented. Add a PyTorch version to "
-            "sglang_dynspec/testbed/_shim/sgl_kernel/ if the CPU test bed needs it."
+            "testbed/dynspec_testbed/_shim/sgl_kernel/ if the CPU test bed needs it."
         )
 
     def __getattr__(self, item: str):

@@ -10,16 +10,12 @@ query heads. ``sliding_window_plus1`` is the layer's ``sliding_window_size + 1``
 ``>= p - sliding_window_size``.
 """
 
-from typing import Optional
-
 import torch
 
 
 def _reject_cross_attention(is_cross_attention: bool) -> None:
     if is_cross_attention:
-        raise NotImplementedError(
-            "sgl_kernel stand-in: cross-attention (encoder_lens) is not implemented"
-        )
+        raise NotImplementedError("sgl_kernel stand-in: cross-attention (encoder_lens) is not implemented")
 
 
 def _window_keep(
@@ -38,7 +34,7 @@ def _attend(
     scaling: float,
     logit_cap: float,
     keep: torch.Tensor,  # [num_queries, num_keys] bool, True = visible
-    sinks: Optional[torch.Tensor],  # [num_heads] per-head sink logit, or None
+    sinks: torch.Tensor | None,  # [num_heads] per-head sink logit, or None
 ) -> torch.Tensor:  # [num_queries, num_heads, v_head_dim], float32
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
@@ -57,7 +53,7 @@ def _attend(
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
-def _gather(buffer: torch.Tensor, slots: torch.Tensor, scale: Optional[float]) -> torch.Tensor:
+def _gather(buffer: torch.Tensor, slots: torch.Tensor, scale: float | None) -> torch.Tensor:
     return buffer[slots.to(torch.int64)].float() * (scale or 1.0)
 
 
@@ -92,9 +88,7 @@ def decode_attention_cpu(
     for i, (row, seq_len) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
         slots = req_to_token[row, :seq_len]
         keep = torch.ones((1, seq_len), dtype=torch.bool)
-        keep = _window_keep(
-            keep, torch.tensor([seq_len - 1]), torch.arange(seq_len), sliding_window_plus1
-        )
+        keep = _window_keep(keep, torch.tensor([seq_len - 1]), torch.arange(seq_len), sliding_window_plus1)
         out = _attend(
             q[i : i + 1],
             _gather(k_buffer, slots, k_scale),
@@ -165,7 +159,5 @@ def extend_attention_cpu(
         keep = _window_keep(
             keep, torch.arange(prefix_len, seq_len), torch.arange(seq_len), sliding_window_plus1
         )
-        out = _attend(
-            q_extend[start : start + ext_len], keys, values, scaling, logit_cap, keep, sinks
-        )
+        out = _attend(q_extend[start : start + ext_len], keys, values, scaling, logit_cap, keep, sinks)
         o_extend[start : start + ext_len] = out.to(o_extend.dtype)

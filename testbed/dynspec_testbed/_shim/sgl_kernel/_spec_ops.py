@@ -6,14 +6,14 @@ Shapes and dtypes follow ``sgl-kernel/csrc/cpu/speculative_decoding.cpp``.
 token positions to KV slots. Index tensors may be int32 or int64.
 """
 
-from typing import Iterator, Tuple
+from collections.abc import Iterator
 
 import torch
 
 
 def _ragged_segments(
     req_pool_indices: torch.Tensor, start_offset: torch.Tensor, end_offset: torch.Tensor
-) -> Iterator[Tuple[int, int, int, int]]:
+) -> Iterator[tuple[int, int, int, int]]:
     """Yield ``(row, start, end, packed_offset)`` per request.
 
     Request ``i`` owns positions ``[start[i], end[i])`` of its ``req_to_token`` row
@@ -21,9 +21,7 @@ def _ragged_segments(
     E.g. start=[5, 2], end=[7, 5] -> packed offsets [0, 2], lengths [2, 3].
     """
     packed_offset = 0
-    for row, start, end in zip(
-        req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()
-    ):
+    for row, start, end in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()):
         yield row, start, end, packed_offset
         packed_offset += end - start
 
@@ -33,12 +31,8 @@ def assign_req_to_token_pool_cpu(
 ) -> None:
     """Scatter freshly allocated slots into the map:
     ``req_to_token[row_i, start_i:end_i] = out_cache_loc[packed range of i]``."""
-    for row, start, end, offset in _ragged_segments(
-        req_pool_indices, start_offset, end_offset
-    ):
-        req_to_token[row, start:end] = out_cache_loc[offset : offset + end - start].to(
-            req_to_token.dtype
-        )
+    for row, start, end, offset in _ragged_segments(req_pool_indices, start_offset, end_offset):
+        req_to_token[row, start:end] = out_cache_loc[offset : offset + end - start].to(req_to_token.dtype)
 
 
 def assign_extend_cache_locs_cpu(
@@ -46,12 +40,8 @@ def assign_extend_cache_locs_cpu(
 ) -> None:
     """Gather slots out of the map (inverse of ``assign_req_to_token_pool_cpu``):
     ``out_cache_loc[packed range of i] = req_to_token[row_i, start_i:end_i]``."""
-    for row, start, end, offset in _ragged_segments(
-        req_pool_indices, start_offset, end_offset
-    ):
-        out_cache_loc[offset : offset + end - start] = req_to_token[row, start:end].to(
-            out_cache_loc.dtype
-        )
+    for row, start, end, offset in _ragged_segments(req_pool_indices, start_offset, end_offset):
+        out_cache_loc[offset : offset + end - start] = req_to_token[row, start:end].to(out_cache_loc.dtype)
 
 
 def assign_draft_cache_locs_contiguous_cpu(
@@ -61,9 +51,9 @@ def assign_draft_cache_locs_contiguous_cpu(
     ``topk * num_steps`` slots that follow its committed prefix."""
     width = topk * num_steps
     for i, (row, seq_len) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
-        out_cache_loc[i * width : (i + 1) * width] = req_to_token[
-            row, seq_len : seq_len + width
-        ].to(out_cache_loc.dtype)
+        out_cache_loc[i * width : (i + 1) * width] = req_to_token[row, seq_len : seq_len + width].to(
+            out_cache_loc.dtype
+        )
 
 
 def build_draft_decode_metadata_cpu(
@@ -84,9 +74,7 @@ def build_draft_decode_metadata_cpu(
             target = expanded[b * topk + k]
             target[:seq_len] = source[:seq_len]
             draft_start = seq_len + k * num_steps
-            target[seq_len : seq_len + num_steps] = source[
-                draft_start : draft_start + num_steps
-            ]
+            target[seq_len : seq_len + num_steps] = source[draft_start : draft_start + num_steps]
     return expanded
 
 
