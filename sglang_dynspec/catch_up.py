@@ -95,6 +95,9 @@ class PlainGapLog:
     def __init__(self, pool_size: int, capacity: int, hidden_width: int, hidden_dtype: torch.dtype, device):
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1, got {capacity}")
+        _check_device_memory(
+            self.bytes_needed(pool_size, capacity, hidden_width, hidden_dtype), capacity, device
+        )
         self.capacity = capacity
         self.device = device
         self.hidden = torch.zeros(pool_size, capacity, hidden_width, dtype=hidden_dtype, device=device)
@@ -105,6 +108,12 @@ class PlainGapLog:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.hidden, self.tokens, self._fill))
+
+    @staticmethod
+    def bytes_needed(pool_size: int, capacity: int, hidden_width: int, hidden_dtype: torch.dtype) -> int:
+        """Device memory of a log: per slot, ``capacity`` aux rows and tokens, and a cursor."""
+        per_position = hidden_width * torch.empty((), dtype=hidden_dtype).element_size() + 8
+        return pool_size * (capacity * per_position + 8)
 
     def is_full(self, pool_indices: Sequence[int]) -> bool:
         """True if recording one more plain step would overflow some request's buffer."""
@@ -164,6 +173,34 @@ class PlainGapLog:
         cols = list(itertools.chain.from_iterable(range(g) for g in gap_rows.gaps))
         index = to_device([gap_rows.token_slots(), cols], torch.int64, self.device)
         return self.hidden[index[0], index[1]], self.tokens[index[0], index[1]]
+
+
+# Device memory left free after the log is allocated: SGLang has already sized its
+# KV pool, and the plain decode graph (176 MiB on the 8B shape with batch sizes up to
+# 128, benchmarks/results/h200-20261201-architecture-check/) is captured after the log.
+CATCH_UP_MEMORY_HEADROOM = 1 << 30
+
+
+def _check_device_memory(needed: int, capacity: int, device) -> None:
+    """Refuse, naming the flag, a log that would not fit in free device memory."""
+    if torch.device(device).type != "cuda":
+        return
+    free = torch.cuda.mem_get_info(device)[0]
+    if needed + CATCH_UP_MEMORY_HEADROOM > free:
+        fits = max(0, capacity * (free - CATCH_UP_MEMORY_HEADROOM) // max(needed, 1))
+        raise RuntimeError(
+            f"--speculative-catch-up-tokens {capacity} needs {needed / 2**20:.0f} MiB of device memory for "
+            f"the draft catch-up buffer, but only {free / 2**20:.0f} MiB are free after SGLang sized its KV "
+            f"pool (and {CATCH_UP_MEMORY_HEADROOM / 2**20:.0f} MiB must stay free for the plain decode graph); "
+            f"lower it to {fits} or less, or lower --mem-fraction-static"
+        )
+
+
+def free_memory_note(device) -> str:
+    """``"N MiB of device memory free"`` on CUDA (for the start-up log); else ``"host memory"``."""
+    if torch.device(device).type != "cuda":
+        return "host memory"
+    return f"{torch.cuda.mem_get_info(device)[0] / 2**20:.0f} MiB of device memory free"
 
 
 def build_catch_up_batch(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 
 from sglang_dynspec import compat, config
-from sglang_dynspec.catch_up import DraftCatchUp, NoCatchUp
+from sglang_dynspec.catch_up import DraftCatchUp, NoCatchUp, free_memory_note
 from sglang_dynspec.controller import ModeController, build_sinks
 from sglang_dynspec.plain_graph import capture_plain_decode_graph
 from sglang_dynspec.plain_step import run_plain_decode
@@ -59,10 +59,12 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
             self.catch_up = DraftCatchUp(self, self.settings.catch_up_tokens, self.controller.on_catch_up)
         if self.catch_up.enabled and self._first_rank:
             logger.info(
-                "[sglang-dynspec] draft catch-up buffer: %d positions x %d requests, %.0f MiB",
+                "[sglang-dynspec] draft catch-up buffer: %d positions x %d requests, %.0f MiB (allocated "
+                "after the KV pool; %s)",
                 self.settings.catch_up_tokens,
                 compat.request_pool_size(self),
                 self.catch_up.nbytes / 2**20,
+                free_memory_note(self.device),
             )
         super().init_cuda_graphs()
         if self.settings.plain_cuda_graph:

@@ -151,3 +151,24 @@ def test_catch_up_batch_covers_exactly_the_gaps(case, data):
     assert ext.decoding_reqs is None and ext.chunked_req is None
     assert torch.equal(ext.sampling_info.temperatures, batch.sampling_info.temperatures[rows])
     assert batch.sampling_info.temperatures.shape[0] == case.batch_size  # the input's is intact
+
+
+def test_buffer_size_is_checked_against_free_device_memory(monkeypatch):
+    from sglang_dynspec import catch_up
+
+    # 8B shape: 3 x 4096 aux width in bf16 (24 KiB + 8 B per position), 129 slots, T = 32: 97 MiB.
+    needed = PlainGapLog.bytes_needed(129, 32, 3 * 4096, torch.bfloat16)
+    assert needed == 129 * (32 * (3 * 4096 * 2 + 8) + 8)
+    assert round(needed / 2**20) == 97
+    monkeypatch.setattr(
+        torch.cuda, "mem_get_info", lambda device=None: (needed + catch_up.CATCH_UP_MEMORY_HEADROOM, 0)
+    )
+    catch_up._check_device_memory(needed, 32, "cuda:0")  # fits exactly
+    monkeypatch.setattr(
+        torch.cuda, "mem_get_info", lambda device=None: (catch_up.CATCH_UP_MEMORY_HEADROOM + needed // 2, 0)
+    )
+    with pytest.raises(
+        RuntimeError, match=r"--speculative-catch-up-tokens 32 needs 97 MiB.*lower it to 16 or less"
+    ):
+        catch_up._check_device_memory(needed, 32, "cuda:0")
+    catch_up._check_device_memory(needed, 32, "cpu")  # host memory: SGLang's CPU engine, nothing to check
