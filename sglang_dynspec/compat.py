@@ -79,6 +79,8 @@ __all__ = [
     "ScheduleBatch",
     "SpeculativeAlgorithm",
     "WAR_RUNNER_PROPERTY",
+    "accept_counters",
+    "agree_across_tensor_parallel_ranks",
     "decode_batch_size",
     "draft_extend_contexts",
     "is_decode_step",
@@ -152,7 +154,15 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
             "enable_multi_layer_eagle?",
         ),
     ),
-    HostSymbols(parallel_state, ("get_tensor_model_parallel_rank",)),
+    HostSymbols(
+        parallel_state,
+        (
+            "get_tensor_model_parallel_rank",
+            "get_tensor_model_parallel_world_size",
+            "get_tp_group",
+        ),
+    ),
+    HostSymbols(parallel_state.GroupCoordinator, ("broadcast_object",)),
     # The worker we subclass, and the draft worker inside it (worker.py, catch_up.py).
     HostSymbols(
         EAGLEWorkerV2,
@@ -235,7 +245,7 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
             "chunked_req_next_prompt_token?",
         ),
     ),
-    HostSymbols(Req, ("kv|req_pool_idx",)),
+    HostSymbols(Req, ("kv|req_pool_idx", "rid", "spec_num_correct_drafts", "spec_verify_ct")),
     HostSymbols(ReqToTokenPool, ("req_to_token",)),
     HostSymbols(
         SamplingBatchInfo, ("temperatures", "top_ps", "top_ks", "min_ps", "sampling_seed", "grammars")
@@ -407,6 +417,20 @@ def new_future_map(device, algorithm, req_to_token_pool, *args, **kwargs):
 # ------------------------------------------------------------------------ accessors
 def tensor_parallel_rank() -> int:
     return parallel_state.get_tensor_model_parallel_rank()
+
+
+def agree_across_tensor_parallel_ranks(obj):
+    """``obj`` as the first TP rank has it, on every TP rank (a broadcast over the TP
+    group's CPU group; every rank must call it at the same point)."""
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return obj
+    return parallel_state.get_tp_group().broadcast_object(obj, src=0)
+
+
+def accept_counters(batch: ScheduleBatch) -> list[tuple[object, int, int]]:
+    """``(rid, correct drafts, verify steps)`` of each request: the scheduler's host
+    counters (identical on every TP rank), advanced by every speculative and plain step."""
+    return [(req.rid, req.spec_num_correct_drafts, req.spec_verify_ct) for req in batch.reqs]
 
 
 def metrics_enabled(server_args) -> bool:

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from sglang_dynspec.goodput import GoodputPolicy, GoodputSettings
 from sglang_dynspec.policy import ModePolicy, SwitchThresholds, ThresholdPolicy
 
 ALGORITHM_NAME = "EAGLE3_DYNAMIC"
@@ -50,6 +51,7 @@ class Flag:
     option: str  # command-line spelling
     env: str  # environment variable the value travels in
     help: str
+    choices: tuple[str, ...] | None = None  # a word flag; None: a non-negative integer
 
     @property
     def dest(self) -> str:
@@ -86,7 +88,19 @@ CATCH_UP_TOKENS = Flag(
     f"buffer is replayed in plain mode (default {DEFAULT_CATCH_UP_TOKENS}; 0 disables the "
     "catch-up: the draft resumes from stale state).",
 )
-FLAGS = (DISABLE_THRESHOLD, ENABLE_THRESHOLD, MIN_DWELL, CATCH_UP_TOKENS)
+POLICIES = ("threshold", "goodput")
+DEFAULT_POLICY = "threshold"
+POLICY = Flag(
+    "--speculative-dynamic-policy",
+    "SGLANG_DYNSPEC_POLICY",
+    f"{ALGORITHM_NAME}: when to speculate. threshold: by the decode batch size (the two "
+    "batch thresholds); goodput: while measured tokens/s of speculation beat plain decode "
+    "(measured step times and acceptance; --speculative-disable-batch-threshold, if given, "
+    f"is a hard upper bound). Default {DEFAULT_POLICY}.",
+    choices=POLICIES,
+)
+FLAGS = (POLICY, DISABLE_THRESHOLD, ENABLE_THRESHOLD, MIN_DWELL, CATCH_UP_TOKENS)
+SIMULATED_ACCEPTANCE_ENV = "SGLANG_SIMULATE_ACC_LEN"  # SGLang's own benchmark switch
 
 
 def _read_non_negative_int(flag: Flag, environ: Mapping[str, str]) -> int | None:
@@ -168,22 +182,83 @@ def catch_up_tokens_from_environ(environ: Mapping[str, str] = os.environ) -> int
 class Settings:
     """Every plugin setting of one process, validated."""
 
+    policy: str  # one of POLICIES
     thresholds: SwitchThresholds
+    speculation_bound: int | None  # goodput: the disable threshold when given explicitly
     catch_up_tokens: int  # 0: no draft catch-up
     plain_cuda_graph: bool  # False: plain steps run eagerly (saves the graph's memory)
+    simulated_acceptance: float | None  # SGLANG_SIMULATE_ACC_LEN, benchmarks only
+
+
+def policy_from_environ(environ: Mapping[str, str] = os.environ) -> str:
+    raw = environ.get(POLICY.env, "").strip().lower()
+    if raw == "":
+        return DEFAULT_POLICY
+    if raw not in POLICIES:
+        raise ConfigError(f"{POLICY.describe()} must be one of {', '.join(POLICIES)}, got {raw!r}")
+    return raw
+
+
+def simulated_acceptance_from_environ(environ: Mapping[str, str] = os.environ) -> float | None:
+    raw = environ.get(SIMULATED_ACCEPTANCE_ENV, "").strip()
+    if raw == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{SIMULATED_ACCEPTANCE_ENV} must be a number, got {raw!r}") from None
+    if value < 1:
+        raise ConfigError(f"{SIMULATED_ACCEPTANCE_ENV} must be at least 1 (the bonus token), got {value}")
+    return value
 
 
 def settings_from_environ(environ: Mapping[str, str] = os.environ) -> Settings:
     """Read every plugin setting; raise ConfigError naming the first bad one."""
+    policy = policy_from_environ(environ)
+    bound = None
+    if policy == "goodput":
+        if _read_non_negative_int(ENABLE_THRESHOLD, environ) is not None:
+            raise ConfigError(
+                f"{ENABLE_THRESHOLD.option} has no meaning with {POLICY.option} goodput (it speculates "
+                f"again when speculation pays); accepted with goodput: {DISABLE_THRESHOLD.option} "
+                "as a hard upper bound on the batch size that speculates, and "
+                f"{MIN_DWELL.option}; or use {POLICY.option} threshold"
+            )
+        bound = _read_non_negative_int(DISABLE_THRESHOLD, environ)
+        if bound is not None and bound < 1:
+            raise ConfigError(
+                f"{DISABLE_THRESHOLD.describe()} must be at least 1 with {POLICY.option} goodput, got {bound}"
+            )
     return Settings(
-        thresholds=thresholds_from_environ(environ),
+        policy=policy,
+        thresholds=thresholds_from_environ(environ)
+        if policy == "threshold"
+        else _default_thresholds(environ),
+        speculation_bound=bound,
         catch_up_tokens=catch_up_tokens_from_environ(environ),
         plain_cuda_graph=env_bool(PLAIN_CUDA_GRAPH_ENV, True, environ),
+        simulated_acceptance=simulated_acceptance_from_environ(environ),
+    )
+
+
+def _default_thresholds(environ: Mapping[str, str]) -> SwitchThresholds:
+    dwell = _read_non_negative_int(MIN_DWELL, environ)
+    return SwitchThresholds(
+        DEFAULT_DISABLE_ABOVE,
+        default_enable_at_or_below(DEFAULT_DISABLE_ABOVE),
+        DEFAULT_MIN_DWELL_STEPS if dwell is None else dwell,
     )
 
 
 def build_policy(settings: Settings) -> ModePolicy:
     """The mode policy the settings ask for."""
+    if settings.policy == "goodput":
+        return GoodputPolicy(
+            GoodputSettings(
+                min_dwell_steps=max(1, settings.thresholds.min_dwell_steps),
+                max_spec_batch=settings.speculation_bound,
+            )
+        )
     return ThresholdPolicy(settings.thresholds)
 
 

@@ -12,9 +12,10 @@ telemetry only observes it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from sglang_dynspec.device_timer import DeferredReadings, DeviceTimer, read_later
+from sglang_dynspec.estimates import AcceptCounters, EstimateFeed
 from sglang_dynspec.policy import Mode, ModePolicy, Switch
 from sglang_dynspec.telemetry import StepStats, TelemetrySink
 
@@ -40,24 +41,48 @@ def build_sinks(*, first_rank: bool, metrics_enabled: bool, labels: Mapping[str,
 class ModeController:
     """Decides each decode step's mode and reports what happened to the sinks."""
 
-    def __init__(self, policy: ModePolicy, sinks: Sequence[TelemetrySink] = ()):
+    def __init__(
+        self, policy: ModePolicy, sinks: Sequence[TelemetrySink] = (), feed: EstimateFeed | None = None
+    ):
         self.policy = policy
         self.stats = StepStats()
         self._sinks = (self.stats, *sinks)
         self._readings = DeferredReadings()
         self._after_plain = False  # the next speculative step is the first after a resume
+        # The goodput policy's inputs (estimates.py); None for policies that need none.
+        self._feed = feed if policy.needs_estimates else None
+        if policy.needs_estimates and feed is None:
+            raise ValueError(f"{type(policy).__name__} needs an EstimateFeed")
 
-    def before_decode(self, batch_size: int) -> Mode:
-        """The mode of the decode step about to run (``batch_size``: its requests)."""
+    def before_decode(
+        self, batch_size: int, accept_counters: Callable[[], AcceptCounters] | None = None
+    ) -> Mode:
+        """The mode of the decode step about to run (``batch_size``: its requests).
+
+        ``accept_counters``: a callable giving each request's host accept counters
+        (called only when the policy measures acceptance)."""
         self._readings.poll()
+        if self._feed is not None:
+            estimates = self._feed.before_decode(batch_size, accept_counters)
+            if estimates is not None:
+                self.policy.update(estimates)
+                for sink in self._sinks:
+                    sink.on_estimates(estimates, batch_size)
         old = self.policy.mode
         mode = self.policy.decide(batch_size)
         if mode is not old:
-            switch = Switch(self.stats.total_decode_steps, batch_size, old, mode)
+            switch = Switch(self.stats.total_decode_steps, batch_size, old, mode, self.policy.last_reason)
             steps_before = dict(self.stats.decode_steps)
             for sink in self._sinks:
                 sink.on_switch(switch, steps_before)
+        if self._feed is not None:
+            self._feed.after_decision(mode, batch_size)
         return mode
+
+    def on_other_step(self) -> None:
+        """A prefill, mixed or idle step ran between decode steps."""
+        if self._feed is not None:
+            self._feed.on_other_step()
 
     def after_decode(self, mode: Mode, accept_lens=None, replayed_graph: bool = False) -> None:
         """Account for a decode step just queued; ``accept_lens`` ``[bs]`` (device

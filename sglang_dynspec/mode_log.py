@@ -18,13 +18,14 @@ class ModeLog(TelemetrySink):
     def on_switch(self, switch: Switch, steps_before: Mapping[Mode, int]) -> None:
         logger.info(
             "[sglang-dynspec] %s -> %s at decode batch size %d (decode step %d; "
-            "steps before it: spec %d, plain %d)",
+            "steps before it: spec %d, plain %d)%s",
             switch.old.value,
             switch.new.value,
             switch.batch_size,
             switch.step,
             steps_before[Mode.SPEC],
             steps_before[Mode.PLAIN],
+            f": {switch.reason}" if switch.reason else "",
         )
 
     def on_catch_up_done(self, reason: str, requests: int, tokens: int, seconds: float) -> None:

@@ -71,7 +71,7 @@ def _env_writing_action(flag: config.Flag) -> type:
         """Store the value and export it, so spawned scheduler processes see it."""
 
         def __call__(self, parser, namespace, values, option_string=None):
-            if values < 0:
+            if flag.choices is None and values < 0:
                 parser.error(f"argument {flag.option}: must be a non-negative integer, got {values}")
             os.environ[flag.env] = str(values)
             setattr(namespace, self.dest, values)
@@ -83,14 +83,14 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
     """Add the plugin's flags to SGLang's server argument parser."""
     group = parser.add_argument_group(f"{config.ALGORITHM_NAME} (sglang-dynspec plugin)")
     for flag in config.FLAGS:
+        kind = dict(type=int, metavar="N") if flag.choices is None else dict(type=str, choices=flag.choices)
         group.add_argument(
             flag.option,
-            type=int,
             default=None,
             dest=flag.dest,
-            metavar="N",
             action=_env_writing_action(flag),
             help=flag.help,
+            **kind,
         )
 
 

@@ -42,6 +42,7 @@ class Switch:
     batch_size: int
     old: Mode
     new: Mode
+    reason: str = ""  # the policy's words for why
 
 
 class ModePolicy(abc.ABC):
@@ -53,6 +54,11 @@ class ModePolicy(abc.ABC):
     """
 
     mode: Mode = Mode.SPEC
+    last_reason: str = ""  # why the last switch happened (for the switch log)
+    needs_estimates: bool = False  # True: feed it ``update(estimates)`` (goodput.Estimates)
+
+    def update(self, estimates) -> None:  # noqa: B027 (a no-op on purpose: most policies need none)
+        """New agreed estimates (only policies with ``needs_estimates`` use them)."""
 
     @abc.abstractmethod
     def decide(self, batch_size: int) -> Mode:
@@ -106,6 +112,12 @@ class ThresholdPolicy(ModePolicy):
             raise ValueError(f"batch_size must be >= 0, got {batch_size}")
         wanted = self.wanted_mode(batch_size)
         if wanted is not self.mode and self._since_switch >= self.thresholds.min_dwell_steps:
+            t = self.thresholds
+            self.last_reason = (
+                f"batch {batch_size} > {t.disable_above}"
+                if wanted is Mode.PLAIN
+                else f"batch {batch_size} <= {t.enable_at_or_below}"
+            )
             self.mode = wanted
             self._since_switch = 0
         self._since_switch += 1

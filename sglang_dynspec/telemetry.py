@@ -42,6 +42,10 @@ class TelemetrySink:
         """Accepted tokens (bonus included) per request of the first speculative step
         after a resume, read once the device has run it."""
 
+    def on_estimates(self, estimates, batch_size: int) -> None:
+        """The goodput policy got new agreed estimates (``goodput.Estimates``) at a decode
+        step of ``batch_size`` requests."""
+
 
 @dataclass
 class StepStats(TelemetrySink):

@@ -18,6 +18,7 @@ import logging
 from sglang_dynspec import compat, config
 from sglang_dynspec.catch_up import DraftCatchUp, NoCatchUp, free_memory_note
 from sglang_dynspec.controller import ModeController, build_sinks
+from sglang_dynspec.estimates import EstimateFeed
 from sglang_dynspec.plain_graph import capture_plain_decode_graph
 from sglang_dynspec.plain_step import run_plain_decode
 from sglang_dynspec.policy import Mode
@@ -39,6 +40,10 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
                 metrics_enabled=compat.metrics_enabled(server_args),
                 labels={"model_name": compat.served_model_name(server_args)},
             ),
+            EstimateFeed(
+                agree=compat.agree_across_tensor_parallel_ranks,
+                simulated_acceptance=self.settings.simulated_acceptance,
+            ),
         )
         self.catch_up = NoCatchUp()  # allocated in init_cuda_graphs, once the KV pools exist
         self.plain_graph = None  # captured in init_cuda_graphs; None: eager plain steps
@@ -50,6 +55,12 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
                 self.settings.catch_up_tokens,
                 compat.SGLANG_VERSION,
             )
+            if self.controller.policy.needs_estimates and self.settings.simulated_acceptance is not None:
+                logger.warning(
+                    "[sglang-dynspec] acceptance estimate: %.2f tokens per speculative step, simulated "
+                    "(SGLANG_SIMULATE_ACC_LEN; benchmarks only), not measured",
+                    self.settings.simulated_acceptance,
+                )
 
     def init_cuda_graphs(self):
         # The scheduler calls this once the KV pools exist (both SGLang versions, with
@@ -75,12 +86,15 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
         if not compat.is_decode_step(batch):
             self._last_step_plain = False
+            self.controller.on_other_step()
             if not compat.is_idle_step(batch):
                 self.catch_up.before_extend_step(batch)
             return super().forward_batch_generation(
                 batch, **compat.spec_forward_kwargs(on_publish, grammar_barrier, pp_proxy_tensors)
             )
-        mode = self.controller.before_decode(compat.decode_batch_size(batch))
+        mode = self.controller.before_decode(
+            compat.decode_batch_size(batch), lambda: compat.accept_counters(batch)
+        )
         self._last_step_plain = mode is Mode.PLAIN
         if mode is Mode.PLAIN:
             out = run_plain_decode(self, batch, self.catch_up, self.plain_graph, on_publish, grammar_barrier)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import argparse
 import ast
+import bisect
 import builtins
 import collections.abc
 import contextlib
@@ -29,6 +30,7 @@ import inspect
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -95,6 +97,8 @@ def _library_names() -> frozenset[str]:
         abc,
         collections.abc,
         itertools.chain,
+        bisect,
+        math,
         typing,
         importlib.metadata,
         prometheus_client,

@@ -31,8 +31,10 @@ def test_switches_are_logged_with_the_steps_before_them(caplog):
     drive(controller(ModeLog()), [1, 1, 5, 5, 5, 1])
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [
-        "[sglang-dynspec] spec -> plain at decode batch size 5 (decode step 2; steps before it: spec 2, plain 0)",
-        "[sglang-dynspec] plain -> spec at decode batch size 1 (decode step 5; steps before it: spec 2, plain 3)",
+        "[sglang-dynspec] spec -> plain at decode batch size 5 (decode step 2; steps before it: spec 2, plain 0): "
+        "batch 5 > 3",
+        "[sglang-dynspec] plain -> spec at decode batch size 1 (decode step 5; steps before it: spec 2, plain 3): "
+        "batch 1 <= 1",
     ]
 
 
