@@ -17,10 +17,15 @@ CATCH_UP_TOKENS_COUNTER = "sglang:spec_dynamic_catch_up_tokens"
 CATCH_UP_SECONDS = "sglang:spec_dynamic_catch_up_seconds"  # histogram
 RESUME_ACCEPTED_COUNTER = "sglang:spec_dynamic_resume_accepted_tokens"
 RESUME_REQUESTS_COUNTER = "sglang:spec_dynamic_resume_requests"
+# The goodput policy's agreed estimates (gauges, updated at each agreement).
+ACCEPTANCE_GAUGE = "sglang:spec_dynamic_acceptance"  # label "source": measured / simulated / none
+PREDICTED_GAUGE = "sglang:spec_dynamic_predicted_tokens_per_second"  # label "mode", at the current batch
+STEP_SECONDS_GAUGE = "sglang:spec_dynamic_step_seconds"  # labels "mode", "batch_max" (a bucket's upper edge)
 
 # Label values.
 MODES = ("spec", "plain")  # label "mode" of STEPS_COUNTER, "to" of SWITCHES_COUNTER
 CATCH_UP_REASONS = ("resume", "buffer_full", "mixed")  # label "reason" of CATCH_UP_COUNTER
+ACCEPTANCE_SOURCES = ("measured", "simulated", "none")  # label "source" of ACCEPTANCE_GAUGE
 
 HELP = {
     MODE_GAUGE: "1 while EAGLE3_DYNAMIC speculates, 0 while it runs plain decode steps.",
@@ -41,6 +46,18 @@ HELP = {
         "resume of EAGLE3_DYNAMIC, summed over its requests."
     ),
     RESUME_REQUESTS_COUNTER: "Requests in the first speculative step after each resume of EAGLE3_DYNAMIC.",
+    ACCEPTANCE_GAUGE: (
+        "EAGLE3_DYNAMIC goodput policy: expected tokens per request per speculative step (bonus "
+        "included), by source (measured from the scheduler's accept counters, or simulated)."
+    ),
+    PREDICTED_GAUGE: (
+        "EAGLE3_DYNAMIC goodput policy: predicted output tokens/s of each mode at the decode batch "
+        "size of the last estimate."
+    ),
+    STEP_SECONDS_GAUGE: (
+        "EAGLE3_DYNAMIC goodput policy: measured seconds per decode step, by mode and batch-size "
+        "bucket (batch_max: the bucket's largest batch size)."
+    ),
 }
 
 

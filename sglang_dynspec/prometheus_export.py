@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from sglang_dynspec import metric_names as names
+from sglang_dynspec.goodput import BUCKET_EDGES
 from sglang_dynspec.policy import Mode, Switch
 from sglang_dynspec.telemetry import TelemetrySink
 
@@ -67,6 +68,14 @@ class PrometheusExport(TelemetrySink):
         ).labels(**labels)
         self._resume_accepted = counter(names.RESUME_ACCEPTED_COUNTER).labels(**labels)
         self._resume_requests = counter(names.RESUME_REQUESTS_COUNTER).labels(**labels)
+        self._labels = labels
+
+        def gauge(name, extra):
+            return Gauge(name, names.HELP[name], labelnames=keys + extra, multiprocess_mode="mostrecent")
+
+        self._acceptance = gauge(names.ACCEPTANCE_GAUGE, ["source"])
+        self._predicted = gauge(names.PREDICTED_GAUGE, ["mode"])
+        self._step_seconds = gauge(names.STEP_SECONDS_GAUGE, ["mode", "batch_max"])
         self._mode.set(1)
 
     def on_decode_step(self, mode: Mode, replayed_graph: bool) -> None:
@@ -88,3 +97,19 @@ class PrometheusExport(TelemetrySink):
     def on_resume_step(self, accept_lens: Sequence[int]) -> None:
         self._resume_accepted.inc(sum(accept_lens))
         self._resume_requests.inc(len(accept_lens))
+
+    def on_estimates(self, estimates, batch_size: int) -> None:
+        for source in names.ACCEPTANCE_SOURCES:
+            value = estimates.acceptance if source == estimates.acceptance_source else None
+            self._acceptance.labels(**self._labels, source=source).set(
+                float("nan") if value is None else value
+            )
+        for mode in Mode:
+            predicted = estimates.predicted_tokens_per_second(batch_size, mode)
+            self._predicted.labels(**self._labels, mode=mode.value).set(
+                float("nan") if predicted is None else predicted
+            )
+        for (mode, bucket), seconds in estimates.step_seconds.items():
+            self._step_seconds.labels(
+                **self._labels, mode=mode.value, batch_max=str(BUCKET_EDGES[bucket])
+            ).set(seconds)

@@ -295,3 +295,34 @@ def test_policy_flag_and_its_combinations():
     with pytest.raises(config.ConfigError, match="SGLANG_SIMULATE_ACC_LEN must be a number"):
         config.settings_from_environ({config.SIMULATED_ACCEPTANCE_ENV: "x"})
     assert config.settings_from_environ({config.SIMULATED_ACCEPTANCE_ENV: "2.5"}).simulated_acceptance == 2.5
+
+
+# ------------------------------------------------------------ telemetry and bench
+def test_estimates_reach_metrics_and_the_crossover_report():
+    from prometheus_client import REGISTRY, generate_latest
+
+    from sglang_dynspec.bench.crossover import crossover, report
+    from sglang_dynspec.bench.scrape import parse_metrics
+    from sglang_dynspec.prometheus_export import PrometheusExport
+
+    # Step times shaped like the H200 8B numbers of issue 10: plain 4.9 + 0.027 B ms,
+    # speculative 7.4 + 0.33 B ms.
+    times = {}
+    for b in (1, 8, 32, 64, 128):
+        times[(S, bucket_of(b))] = (7.4 + 0.33 * b) / 1e3
+        times[(P, bucket_of(b))] = (4.9 + 0.027 * b) / 1e3
+    export = PrometheusExport({"model_name": "goodput-test"})
+    export.on_estimates(Estimates(acceptance=3.0, acceptance_source="measured", step_seconds=times), 32)
+    snap = parse_metrics(generate_latest(REGISTRY).decode())
+    assert (snap.acceptance, snap.acceptance_source) == (3.0, "measured")
+    assert snap.step_seconds[("spec", 128)] == pytest.approx((7.4 + 0.33 * 128) / 1e3)
+    # R(B) = acc (4.9 + 0.027 B) / (7.4 + 0.33 B): at acceptance 3, 1.53 at B = 8 and 0.96 at
+    # B = 32, so of the measured buckets (1, 8, 32, 64, 128) speculation wins up to 8.
+    assert crossover(snap.step_seconds, 3.0) == 8
+    assert crossover(snap.step_seconds, 1.5) == 1
+    assert crossover(snap.step_seconds, 1.0) is None
+    text = report(snap, [1.0, 3.0])
+    assert "speculation wins up to: 8" in text and "speculation wins up to: never" in text
+    assert REGISTRY.get_sample_value(
+        "sglang:spec_dynamic_predicted_tokens_per_second", {"model_name": "goodput-test", "mode": "plain"}
+    ) == pytest.approx(32 / times[(P, bucket_of(32))])

@@ -1,4 +1,4 @@
-"""Command line: ``python -m sglang_dynspec.bench {sweep,ramp,plot} ...``.
+"""Command line: ``python -m sglang_dynspec.bench {sweep,ramp,crossover,plot} ...``.
 
 Examples::
 
@@ -10,6 +10,9 @@ Examples::
     # load ramp 1 -> 128 -> 1 while watching the plugin's mode switches
     python -m sglang_dynspec.bench ramp --url http://127.0.0.1:30000 \\
         --config dynspec --hold-s 10 --out ramp.jsonl
+
+    # where speculation stops paying on this server (goodput policy), per acceptance
+    python -m sglang_dynspec.bench crossover --url http://127.0.0.1:30000
 
     # plots from one or more result files
     python -m sglang_dynspec.bench plot results.jsonl ramp.jsonl \\
@@ -281,6 +284,22 @@ def build_parser() -> argparse.ArgumentParser:
         "ramp start, new tokens) to this file (overwritten)",
     )
 
+    cr = sub.add_parser(
+        "crossover",
+        help="predicted crossover batch size per acceptance, from a goodput server's /metrics",
+        description="Read the goodput policy's measured step times from a running "
+        "EAGLE3_DYNAMIC server (--speculative-dynamic-policy goodput --enable-metrics) and "
+        "print where speculation stops paying for each acceptance.",
+    )
+    cr.add_argument("--url", default="http://127.0.0.1:30000", help="server base URL (default: %(default)s)")
+    cr.add_argument(
+        "--acceptance",
+        type=lambda t: [float(x) for x in t.split(",")],
+        default=[1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0],
+        help="comma-separated acceptances (tokens per speculative step) to report",
+    )
+    cr.set_defaults(tag=[])
+
     pl = sub.add_parser(
         "plot",
         help="PNG plots from results files (needs matplotlib)",
@@ -330,7 +349,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
 
-    if args.command == "sweep":
+    if args.command == "crossover":
+        from .crossover import run_crossover as run
+    elif args.command == "sweep":
         if args.requests_per_point is not None and args.requests_per_point < max(args.concurrency):
             parser.error(
                 f"--requests-per-point {args.requests_per_point} is below concurrency "

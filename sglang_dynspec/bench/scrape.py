@@ -40,6 +40,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from sglang_dynspec.metric_names import (
+    ACCEPTANCE_GAUGE,
     CATCH_UP_COUNTER,
     CATCH_UP_SECONDS,
     CATCH_UP_TOKENS_COUNTER,
@@ -47,6 +48,7 @@ from sglang_dynspec.metric_names import (
     PLAIN_GRAPH_COUNTER,
     RESUME_ACCEPTED_COUNTER,
     RESUME_REQUESTS_COUNTER,
+    STEP_SECONDS_GAUGE,
     STEPS_COUNTER,
     SWITCHES_COUNTER,
     total,
@@ -90,6 +92,10 @@ class MetricsSnapshot:
     catch_up_timed: float | None = None  # catch-ups whose device time is in the sum
     resume_accepted_tokens: float | None = None
     resume_requests: float | None = None
+    acceptance: float | None = None  # the goodput policy's estimate
+    acceptance_source: str | None = None
+    # The goodput policy's step-time table: {(mode, batch_max): seconds}.
+    step_seconds: dict[tuple[str, int], float] | None = None
 
     @property
     def has_plugin_metrics(self) -> bool:
@@ -136,6 +142,8 @@ def parse_metrics(text: str) -> MetricsSnapshot:
     plain_graph = 0.0
     catch_ups: dict[str, float] = {}
     summed: dict[str, float] = {}
+    acceptance: tuple[float, str | None] | None = None
+    step_seconds: dict[tuple[str, int], float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == MODE:
@@ -152,7 +160,15 @@ def parse_metrics(text: str) -> MetricsSnapshot:
                 _add(catch_ups, s.labels.get("reason", ""), s.value)
             elif s.name in _SUMMED:
                 _add(summed, _SUMMED[s.name], s.value)
+            elif s.name == ACCEPTANCE_GAUGE and s.value == s.value:  # NaN: no estimate from this source
+                acceptance = (s.value, s.labels.get("source"))
+            elif s.name == STEP_SECONDS_GAUGE and s.value == s.value:
+                step_seconds[(s.labels.get("mode", ""), int(s.labels.get("batch_max", "0")))] = s.value
     snap = MetricsSnapshot(num_running_reqs=running)
+    if acceptance is not None:
+        snap.acceptance, snap.acceptance_source = acceptance
+    if step_seconds:
+        snap.step_seconds = step_seconds
     if modes:
         snap.mode = int(max(modes) > 0.5)
         snap.mode_consistent = len({int(m > 0.5) for m in modes}) == 1
