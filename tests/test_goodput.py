@@ -319,8 +319,8 @@ def test_estimates_reach_metrics_and_the_crossover_report():
     # R(B) = acc (4.9 + 0.027 B) / (7.4 + 0.33 B): at acceptance 3, 1.53 at B = 8 and 0.96 at
     # B = 32, so of the measured buckets (1, 8, 32, 64, 128) speculation wins up to 8.
     assert crossover(snap.step_seconds, 3.0) == 8
-    assert crossover(snap.step_seconds, 1.5) == 1
-    assert crossover(snap.step_seconds, 1.0) is None
+    assert crossover(snap.step_seconds, 5.0) == 64  # R(32) = 1.60, R(64) = 1.16, R(128) = 0.84
+    assert crossover(snap.step_seconds, 1.5) is None  # R(1) = 0.96
     text = report(snap, [1.0, 3.0])
     assert "speculation wins up to: 8" in text and "speculation wins up to: never" in text
     assert REGISTRY.get_sample_value(
