@@ -1,0 +1,78 @@
+"""End to end on real SGLang (CPU test bed): the goodput policy decides from what it
+measures on this machine, and greedy output stays the non-speculative server's.
+
+* The random-weight draft proposes tokens the target rejects (about 1 token per
+  speculative step): speculation cannot pay, so after its probes the server runs plain,
+  even with one request.
+* The agreeing pair accepts every draft (steps + 1 tokens per step): at one request the
+  server speculates.
+
+Each server answers a warm-up of waves, then a tail of single requests whose steps are
+counted from ``/metrics``; the acceptance estimate the policy used is read there too.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dynspec_testbed.server import CpuServer, wait_until_idle
+from dynspec_testbed.workload import compare_outputs, plugin_counters, run_waves, waves_of
+
+pytestmark = pytest.mark.server
+
+ENV = {"SGLANG_IS_IN_CI": "1", "SGLANG_DYNSPEC_TESTBED_OVERLAP": "1"}
+WARM_UP = waves_of([1, 3, 1], seed=31, prefix="gp-warm", new_tokens=(40, 48))
+TAIL = waves_of([1] * 5, seed=32, prefix="gp-tail", new_tokens=(48, 56))
+# Decode steps a policy may spend in the other mode in the tail: a probe lasts the
+# dwell plus up to one agreement period (16 steps) and the settle steps.
+PROBE_BUDGET = 40
+
+
+def goodput_args(models, pair: str) -> list:
+    target, draft = ("target", "draft") if pair == "random" else ("target-agree", "draft-agree")
+    return [
+        "--model-path", models[target],
+        "--speculative-algorithm", "EAGLE3_DYNAMIC",
+        "--speculative-dynamic-policy", "goodput",
+        "--speculative-draft-model-path", models[draft],
+        "--speculative-num-steps", 3, "--speculative-eagle-topk", 1, "--speculative-num-draft-tokens", 4,
+        "--speculative-min-dwell-steps", 4,
+        "--max-running-requests", 8,
+        "--enable-metrics",
+    ]  # fmt: skip
+
+
+def serve_and_measure(models, pair: str, tmp_path):
+    with CpuServer(["--model-path", models["target" if pair == "random" else "target-agree"]],
+                   log_path=tmp_path / "reference.log", env=ENV) as server:  # fmt: skip
+        reference = {**run_waves(server.url, WARM_UP), **run_waves(server.url, TAIL)}
+    log = tmp_path / "goodput.log"
+    with CpuServer(goodput_args(models, pair), log_path=log, env=ENV) as server:
+        got = run_waves(server.url, WARM_UP)
+        before = plugin_counters(server.url)
+        got.update(run_waves(server.url, TAIL))
+        after = plugin_counters(server.url)
+        loads = wait_until_idle(server.url, timeout=60)
+    assert all(load["num_used_tokens"] == 0 for load in loads), f"KV leak once idle: {loads}"
+    mismatches = compare_outputs(reference, got)
+    assert not mismatches, (
+        f"{len(mismatches)} requests differ from the non-speculative server: {mismatches[:3]}"
+    )
+    tail = {"spec": after.steps_spec - before.steps_spec, "plain": after.steps_plain - before.steps_plain}
+    return after, tail, log.read_text()
+
+
+def test_random_draft_ends_plain_even_at_one_request(tiny_models, tmp_path):
+    after, tail, text = serve_and_measure(tiny_models, "random", tmp_path)
+    assert after.acceptance is not None and after.acceptance < 1.5, after
+    assert after.mode == 0, f"still speculating at the end: {after}"
+    assert tail["plain"] > 0 and tail["spec"] <= PROBE_BUDGET, tail
+    assert "probe plain" in text and "goodput policy" in text
+
+
+def test_agreeing_pair_speculates_at_one_request(tiny_models, tmp_path):
+    after, tail, text = serve_and_measure(tiny_models, "agree", tmp_path)
+    assert after.acceptance is not None and after.acceptance > 3.5, after  # 3 drafts + the bonus
+    assert after.mode == 1, f"not speculating at the end: {after}"
+    assert tail["spec"] > 0 and tail["plain"] <= PROBE_BUDGET, tail
+    assert "probe plain" in text  # it measured plain decode before deciding
