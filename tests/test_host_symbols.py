@@ -246,3 +246,24 @@ def test_instance_attributes_are_found_in_the_class_source(name):
     # Assigned in EAGLEWorkerV2.__init__ (self.name = ...), not class attributes.
     assert not hasattr(compat.EAGLEWorkerV2, name)
     assert compat.missing_host_symbols((compat.HostSymbols(compat.EAGLEWorkerV2, (name,)),)) == []
+
+
+@pytest.mark.parametrize("module", ["policy", "goodput", "estimates", "config", "telemetry", "metric_names"])
+def test_decision_modules_are_pure_python(module):
+    """The decision logic and its inputs import neither torch nor SGLang (nor anything
+    that does), so they are tested exhaustively and decide alike on every rank."""
+    pure = {"policy", "goodput", "estimates", "config", "telemetry", "metric_names"}
+    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        for name in names:
+            top = name.split(".")[0]
+            assert top not in ("torch", "sglang", "sgl_kernel", "prometheus_client"), (
+                f"{module} imports {name}"
+            )
+            if top == "sglang_dynspec":
+                assert name.split(".")[1] in pure, f"{module} imports {name}, which is not pure"
