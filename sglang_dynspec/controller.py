@@ -90,6 +90,9 @@ class ModeController:
         after a resume."""
         for sink in self._sinks:
             sink.on_decode_step(mode, replayed_graph)
+        if self.policy.probing:
+            for sink in self._sinks:
+                sink.on_probe_step(mode)
         if mode is Mode.PLAIN:
             self._after_plain = True
         elif self._after_plain:

@@ -132,6 +132,9 @@ class GoodputPolicy(ModePolicy):
             self.mode = wanted
             self._since_switch = 0
             self.last_reason = reason
+            self.probing = "probe" in reason
+        elif reason.startswith("R = "):
+            self.probing = False  # the measurements now say this mode pays
         self._visited[(self.mode, bucket_of(batch_size))] = self._step
         self._since_switch += 1
         self._step += 1

@@ -21,6 +21,7 @@ RESUME_REQUESTS_COUNTER = "sglang:spec_dynamic_resume_requests"
 ACCEPTANCE_GAUGE = "sglang:spec_dynamic_acceptance"  # label "source": measured / simulated / none
 PREDICTED_GAUGE = "sglang:spec_dynamic_predicted_tokens_per_second"  # label "mode", at the current batch
 STEP_SECONDS_GAUGE = "sglang:spec_dynamic_step_seconds"  # labels "mode", "batch_max" (a bucket's upper edge)
+PROBE_STEPS_COUNTER = "sglang:spec_dynamic_probe_steps"  # label "mode"
 
 # Label values.
 MODES = ("spec", "plain")  # label "mode" of STEPS_COUNTER, "to" of SWITCHES_COUNTER
@@ -53,6 +54,10 @@ HELP = {
     PREDICTED_GAUGE: (
         "EAGLE3_DYNAMIC goodput policy: predicted output tokens/s of each mode at the decode batch "
         "size of the last estimate."
+    ),
+    PROBE_STEPS_COUNTER: (
+        "EAGLE3_DYNAMIC goodput policy: decode steps run in a mode only to measure it (probes), "
+        "by mode: the cost of keeping the estimates current."
     ),
     STEP_SECONDS_GAUGE: (
         "EAGLE3_DYNAMIC goodput policy: measured seconds per decode step, by mode and batch-size "

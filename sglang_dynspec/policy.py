@@ -56,6 +56,7 @@ class ModePolicy(abc.ABC):
     mode: Mode = Mode.SPEC
     last_reason: str = ""  # why the last switch happened (for the switch log)
     needs_estimates: bool = False  # True: feed it ``update(estimates)`` (goodput.Estimates)
+    probing: bool = False  # the current mode was entered to measure it, not because it pays
 
     def update(self, estimates) -> None:  # noqa: B027 (a no-op on purpose: most policies need none)
         """New agreed estimates (only policies with ``needs_estimates`` use them)."""

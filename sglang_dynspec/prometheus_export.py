@@ -38,19 +38,29 @@ _CATCH_UP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.
 class PrometheusExport(TelemetrySink):
     """The plugin's series, labelled with ``labels`` (e.g. ``model_name``)."""
 
-    def __init__(self, labels: Mapping[str, str]):
+    def __init__(self, labels: Mapping[str, str], registry=None):
+        """``registry``: where the series are registered (default: the process-wide one
+        SGLang's ``/metrics`` collects; tests pass their own)."""
         # Imported here: prometheus_client must be imported after SGLang has set
         # PROMETHEUS_MULTIPROC_DIR in this process (SGLang does the same).
-        from prometheus_client import Counter, Gauge, Histogram
+        from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+
+        registry = REGISTRY if registry is None else registry
 
         labels = dict(labels)
         keys = list(labels)
 
         def counter(name, extra=None):
-            return Counter(name, names.HELP[name], labelnames=keys + ([extra] if extra else []))
+            return Counter(
+                name, names.HELP[name], labelnames=keys + ([extra] if extra else []), registry=registry
+            )
 
         self._mode = Gauge(
-            names.MODE_GAUGE, names.HELP[names.MODE_GAUGE], labelnames=keys, multiprocess_mode="mostrecent"
+            names.MODE_GAUGE,
+            names.HELP[names.MODE_GAUGE],
+            labelnames=keys,
+            multiprocess_mode="mostrecent",
+            registry=registry,
         ).labels(**labels)
         steps = counter(names.STEPS_COUNTER, "mode")
         self._steps = {m: steps.labels(**labels, mode=m.value) for m in Mode}
@@ -65,14 +75,23 @@ class PrometheusExport(TelemetrySink):
             names.HELP[names.CATCH_UP_SECONDS],
             labelnames=keys,
             buckets=_CATCH_UP_BUCKETS,
+            registry=registry,
         ).labels(**labels)
         self._resume_accepted = counter(names.RESUME_ACCEPTED_COUNTER).labels(**labels)
         self._resume_requests = counter(names.RESUME_REQUESTS_COUNTER).labels(**labels)
         self._labels = labels
 
         def gauge(name, extra):
-            return Gauge(name, names.HELP[name], labelnames=keys + extra, multiprocess_mode="mostrecent")
+            return Gauge(
+                name,
+                names.HELP[name],
+                labelnames=keys + extra,
+                multiprocess_mode="mostrecent",
+                registry=registry,
+            )
 
+        probes = counter(names.PROBE_STEPS_COUNTER, "mode")
+        self._probe_steps = {m: probes.labels(**labels, mode=m.value) for m in Mode}
         self._acceptance = gauge(names.ACCEPTANCE_GAUGE, ["source"])
         self._predicted = gauge(names.PREDICTED_GAUGE, ["mode"])
         self._step_seconds = gauge(names.STEP_SECONDS_GAUGE, ["mode", "batch_max"])
@@ -97,6 +116,9 @@ class PrometheusExport(TelemetrySink):
     def on_resume_step(self, accept_lens: Sequence[int]) -> None:
         self._resume_accepted.inc(sum(accept_lens))
         self._resume_requests.inc(len(accept_lens))
+
+    def on_probe_step(self, mode: Mode) -> None:
+        self._probe_steps[mode].inc()
 
     def on_estimates(self, estimates, batch_size: int) -> None:
         for source in names.ACCEPTANCE_SOURCES:

@@ -46,6 +46,9 @@ class TelemetrySink:
         """The goodput policy got new agreed estimates (``goodput.Estimates``) at a decode
         step of ``batch_size`` requests."""
 
+    def on_probe_step(self, mode: Mode) -> None:
+        """The decode step just run was part of a probe (the policy measuring ``mode``)."""
+
 
 @dataclass
 class StepStats(TelemetrySink):
@@ -61,6 +64,7 @@ class StepStats(TelemetrySink):
     resume_steps: int = 0
     resume_requests: int = 0
     resume_accepted_tokens: int = 0
+    probe_steps: dict[Mode, int] = field(default_factory=lambda: dict.fromkeys(Mode, 0))
 
     @property
     def total_decode_steps(self) -> int:
@@ -72,6 +76,9 @@ class StepStats(TelemetrySink):
 
     def on_switch(self, switch: Switch, steps_before: Mapping[Mode, int]) -> None:
         self.switches[switch.new] += 1
+
+    def on_probe_step(self, mode: Mode) -> None:
+        self.probe_steps[mode] += 1
 
     def on_catch_up_queued(self, reason: str, requests: int, tokens: int) -> None:
         self.catch_ups[reason] += 1

@@ -68,6 +68,7 @@ def test_random_draft_ends_plain_even_at_one_request(tiny_models, tmp_path):
     assert after.mode == 0, f"still speculating at the end: {after}"
     assert tail["plain"] > 0 and tail["spec"] <= PROBE_BUDGET, tail
     assert "probe plain" in text and "goodput policy" in text
+    assert after.probe_steps > 0, after  # the probes' cost is measured and reported
 
 
 def test_agreeing_pair_speculates_at_one_request(tiny_models, tmp_path):

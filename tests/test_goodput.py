@@ -299,7 +299,7 @@ def test_policy_flag_and_its_combinations():
 
 # ------------------------------------------------------------ telemetry and bench
 def test_estimates_reach_metrics_and_the_crossover_report():
-    from prometheus_client import REGISTRY, generate_latest
+    from prometheus_client import CollectorRegistry, generate_latest
 
     from sglang_dynspec.bench.crossover import crossover, report
     from sglang_dynspec.bench.scrape import parse_metrics
@@ -311,9 +311,10 @@ def test_estimates_reach_metrics_and_the_crossover_report():
     for b in (1, 8, 32, 64, 128):
         times[(S, bucket_of(b))] = (7.4 + 0.33 * b) / 1e3
         times[(P, bucket_of(b))] = (4.9 + 0.027 * b) / 1e3
-    export = PrometheusExport({"model_name": "goodput-test"})
+    registry = CollectorRegistry()
+    export = PrometheusExport({"model_name": "goodput-test"}, registry)
     export.on_estimates(Estimates(acceptance=3.0, acceptance_source="measured", step_seconds=times), 32)
-    snap = parse_metrics(generate_latest(REGISTRY).decode())
+    snap = parse_metrics(generate_latest(registry).decode())
     assert (snap.acceptance, snap.acceptance_source) == (3.0, "measured")
     assert snap.step_seconds[("spec", 128)] == pytest.approx((7.4 + 0.33 * 128) / 1e3)
     # R(B) = acc (4.9 + 0.027 B) / (7.4 + 0.33 B): at acceptance 3, 1.53 at B = 8 and 0.96 at
@@ -323,6 +324,20 @@ def test_estimates_reach_metrics_and_the_crossover_report():
     assert crossover(snap.step_seconds, 1.5) is None  # R(1) = 0.96
     text = report(snap, [1.0, 3.0])
     assert "speculation wins up to: 8" in text and "speculation wins up to: never" in text
-    assert REGISTRY.get_sample_value(
+    assert registry.get_sample_value(
         "sglang:spec_dynamic_predicted_tokens_per_second", {"model_name": "goodput-test", "mode": "plain"}
     ) == pytest.approx(32 / times[(P, bucket_of(32))])
+
+
+def test_probe_steps_are_counted_until_the_measurements_confirm_the_mode():
+    clock = FakeClock()
+    feed = EstimateFeed(agree=lambda t: t, agree_every=2, simulated_acceptance=1.0, clock=clock)
+    c = ModeController(GoodputPolicy(GoodputSettings(min_dwell_steps=2)), (), feed)
+    for _ in range(40):
+        mode = c.before_decode(8)
+        c.after_decode(mode)
+        clock.now += 0.010 if mode is S else 0.004
+    probes = c.stats.probe_steps
+    # The plain probe turned out to pay (R = 0.4): its steps count until the first estimate
+    # with both modes measured confirmed it; nothing after that is a probe.
+    assert 0 < probes[P] < c.stats.decode_steps[P] and probes[S] == 0, (probes, c.stats.decode_steps)

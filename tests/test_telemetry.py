@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 import torch
-from prometheus_client import REGISTRY
+from prometheus_client import CollectorRegistry
 
 from sglang_dynspec import metric_names as names
 from sglang_dynspec.controller import ModeController, build_sinks
@@ -83,7 +83,8 @@ def test_only_the_first_rank_logs_and_only_with_metrics_on_it_exports():
 
 def test_prometheus_series_follow_the_steps():
     labels = {"model_name": "test-model"}
-    c = controller(PrometheusExport(labels))
+    registry = CollectorRegistry()
+    c = controller(PrometheusExport(labels, registry))
     drive(c, [1, 5, 5, 1], accept_lens=torch.tensor([1]))
     c.after_decode(c.before_decode(1), accept_lens=torch.tensor([9]))  # not the first after a resume
     done = FakeTimer(0.5)
@@ -93,7 +94,7 @@ def test_prometheus_series_follow_the_steps():
     c.before_decode(1)  # polls
 
     def value(name, **extra):
-        return REGISTRY.get_sample_value(name, {**labels, **extra})
+        return registry.get_sample_value(name, {**labels, **extra})
 
     assert value(names.total(names.STEPS_COUNTER), mode="spec") == 3
     assert value(names.total(names.STEPS_COUNTER), mode="plain") == 2

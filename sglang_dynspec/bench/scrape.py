@@ -46,6 +46,7 @@ from sglang_dynspec.metric_names import (
     CATCH_UP_TOKENS_COUNTER,
     MODE_GAUGE,
     PLAIN_GRAPH_COUNTER,
+    PROBE_STEPS_COUNTER,
     RESUME_ACCEPTED_COUNTER,
     RESUME_REQUESTS_COUNTER,
     STEP_SECONDS_GAUGE,
@@ -65,7 +66,9 @@ CATCH_UP_SECONDS_SUM = CATCH_UP_SECONDS + "_sum"
 CATCH_UP_SECONDS_COUNT = CATCH_UP_SECONDS + "_count"
 RESUME_ACCEPTED = total(RESUME_ACCEPTED_COUNTER)
 RESUME_REQUESTS = total(RESUME_REQUESTS_COUNTER)
+PROBE_STEPS = total(PROBE_STEPS_COUNTER)
 _SUMMED = {
+    PROBE_STEPS: "probe_steps",
     CATCH_UP_TOKENS: "catch_up_tokens",
     CATCH_UP_SECONDS_SUM: "catch_up_seconds_sum",
     CATCH_UP_SECONDS_COUNT: "catch_up_timed",
@@ -92,6 +95,7 @@ class MetricsSnapshot:
     catch_up_timed: float | None = None  # catch-ups whose device time is in the sum
     resume_accepted_tokens: float | None = None
     resume_requests: float | None = None
+    probe_steps: float | None = None  # goodput: decode steps run only to measure a mode
     acceptance: float | None = None  # the goodput policy's estimate
     acceptance_source: str | None = None
     # The goodput policy's step-time table: {(mode, batch_max): seconds}.
