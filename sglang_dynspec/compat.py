@@ -82,6 +82,7 @@ __all__ = [
     "accept_counters",
     "agree_across_tensor_parallel_ranks",
     "decode_batch_size",
+    "gather_across_tensor_parallel_ranks",
     "draft_extend_contexts",
     "is_decode_step",
     "is_idle_step",
@@ -162,7 +163,7 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
             "get_tp_group",
         ),
     ),
-    HostSymbols(parallel_state.GroupCoordinator, ("broadcast_object",)),
+    HostSymbols(parallel_state.GroupCoordinator, ("broadcast_object", "all_gather_object")),
     # The worker we subclass, and the draft worker inside it (worker.py, catch_up.py).
     HostSymbols(
         EAGLEWorkerV2,
@@ -425,6 +426,14 @@ def agree_across_tensor_parallel_ranks(obj):
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return obj
     return parallel_state.get_tp_group().broadcast_object(obj, src=0)
+
+
+def gather_across_tensor_parallel_ranks(obj) -> list:
+    """Every TP rank's ``obj``, in rank order, on every TP rank (an all-gather over the TP
+    group's CPU group; every rank must call it at the same point)."""
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return [obj]
+    return parallel_state.get_tp_group().all_gather_object(obj)
 
 
 def accept_counters(batch: ScheduleBatch) -> list[tuple[object, int, int]]:

@@ -190,6 +190,37 @@ class Settings:
     simulated_acceptance: float | None  # SGLANG_SIMULATE_ACC_LEN, benchmarks only
 
 
+# Which flag or variable sets each Settings field (for the cross-rank check's message).
+_SETTING_SOURCES = {
+    "policy": POLICY.describe(),
+    "thresholds": f"{DISABLE_THRESHOLD.option} / {ENABLE_THRESHOLD.option} / {MIN_DWELL.option}",
+    "speculation_bound": DISABLE_THRESHOLD.describe(),
+    "catch_up_tokens": CATCH_UP_TOKENS.describe(),
+    "plain_cuda_graph": PLAIN_CUDA_GRAPH_ENV,
+    "simulated_acceptance": SIMULATED_ACCEPTANCE_ENV,
+}
+
+
+def settings_disagreement(per_rank: list[Settings]) -> str | None:
+    """A message naming every setting that differs between tensor-parallel ranks, or None.
+
+    Each rank reads its own environment; a stray export on one node would make ranks
+    take different modes, catch-ups or graphs, and the next collective would hang.
+    """
+    lines = []
+    for name, source in _SETTING_SOURCES.items():
+        values = [getattr(s, name) for s in per_rank]
+        if any(v != values[0] for v in values[1:]):
+            shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            lines.append(f"{source} differs between tensor-parallel ranks ({shown})")
+    if not lines:
+        return None
+    return (
+        "; ".join(lines) + ". Every rank must run with the same sglang-dynspec settings: pass them as "
+        "flags, or export the same environment variables on every node"
+    )
+
+
 def policy_from_environ(environ: Mapping[str, str] = os.environ) -> str:
     raw = environ.get(POLICY.env, "").strip().lower()
     if raw == "":

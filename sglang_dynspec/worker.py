@@ -32,6 +32,10 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
     def __init__(self, server_args, *args, **kwargs):
         super().__init__(server_args, *args, **kwargs)
         self.settings = config.settings_from_environ()
+        # Every rank read its own environment: refuse, on every rank alike, settings that differ.
+        disagreement = config.settings_disagreement(compat.gather_across_tensor_parallel_ranks(self.settings))
+        if disagreement:
+            raise config.ConfigError(disagreement)
         first_rank = self._first_rank = compat.tensor_parallel_rank() == 0
         self.controller = ModeController(
             config.build_policy(self.settings),
