@@ -153,6 +153,9 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
             "disaggregation_mode",
             "speculative_adaptive?",
             "enable_multi_layer_eagle?",
+            "enable_lora",
+            "lora_paths",
+            "enable_custom_logit_processor",
         ),
     ),
     HostSymbols(

@@ -344,6 +344,25 @@ _UNSUPPORTED = (
         "--enable-multi-layer-eagle",
         "only single-layer EAGLE-3 drafts are supported",
     ),
+    (
+        "enable_lora",
+        bool,
+        "--enable-lora",
+        "the plain decode graph would re-initialise the LoRA decode-graph metadata the verify graph shares",
+    ),
+    (
+        "lora_paths",
+        bool,
+        "--lora-paths",
+        "the plain decode graph would re-initialise the LoRA decode-graph metadata the verify graph shares",
+    ),
+    (
+        "enable_custom_logit_processor",
+        bool,
+        "--enable-custom-logit-processor",
+        "plain steps would apply a request's custom logit processor and speculative verify does not, "
+        "so its sampling would change with the mode",
+    ),
 )
 
 

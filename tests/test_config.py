@@ -114,6 +114,9 @@ def test_bad_boolean_environment_variable_is_refused():
         (dict(tokenizer_worker_num=2), "--tokenizer-worker-num"),
         (dict(disaggregation_mode="decode"), "--disaggregation-mode"),
         (dict(enable_multi_layer_eagle=True), "--enable-multi-layer-eagle"),
+        (dict(enable_lora=True), "--enable-lora"),
+        (dict(lora_paths=["adapter=/m/a"]), "--lora-paths"),
+        (dict(enable_custom_logit_processor=True), "--enable-custom-logit-processor"),
     ],
 )
 def test_unsupported_setups_are_named(attrs, option):

@@ -249,6 +249,11 @@ def test_non_integer_flag_is_an_argparse_error_naming_it(plugin_loaded, clean_fl
         (["--enable-two-batch-overlap"], "--enable-two-batch-overlap"),
         (["--enable-pdmux"], "--enable-pdmux"),
         (["--pp-size", "2"], "--pp-size"),
+        (["--enable-custom-logit-processor"], "--enable-custom-logit-processor"),
+        (
+            ["--speculative-dynamic-policy", "goodput", "--speculative-enable-batch-threshold", "4"],
+            "--speculative-enable-batch-threshold has no meaning with --speculative-dynamic-policy goodput",
+        ),
         # DP attention is not here: SGLang's CPU platform resolves it off before the
         # plugin's check runs; test_config covers that message.
     ],
