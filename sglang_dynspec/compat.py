@@ -199,6 +199,7 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
         ModelRunner,
         (
             "decode_cuda_graph_runner",
+            "weight_updater",
             "attn_backend",
             "spec_algorithm",
             "init_new_workspace",

@@ -124,3 +124,56 @@ def plain_decode_graphs(model_runner, plain_graph: PlainDecodeGraph | None) -> I
         yield
     finally:
         model_runner.decode_cuda_graph_runner, model_runner.attn_backend = saved
+
+
+class PlainGraphKeeper:
+    """Holds the plain decode graph and keeps it in step with the target's weights.
+
+    A captured graph reads the weight tensors it was captured with. SGLang recaptures
+    its own decode graph after ``update_weights_from_disk(recapture_cuda_graph=True)``;
+    the plain graph is the plugin's, so after any weight update (disk, tensor,
+    distributed, IPC) it is dropped, and plain steps run eagerly, with the current
+    weights, until a disk update with recapture recaptures it here too. The target's
+    ``weight_updater`` is wrapped (:class:`_WeightUpdateWatch`) to see the updates.
+    """
+
+    def __init__(self, model_runner, capture_hidden: bool, capture=capture_plain_decode_graph):
+        self._runner, self._capture_hidden, self._capture = model_runner, capture_hidden, capture
+        self.graph: PlainDecodeGraph | None = capture(model_runner, capture_hidden=capture_hidden)
+        self.weight_updates = 0
+        if self.graph is not None:
+            model_runner.weight_updater = _WeightUpdateWatch(model_runner.weight_updater, self._after_update)
+
+    def _after_update(self, method: str, succeeded: bool, recapture: bool) -> None:
+        self.weight_updates += 1
+        if recapture and succeeded:
+            self.graph = None  # release the old graph's memory before capturing the new one
+            self.graph = self._capture(self._runner, capture_hidden=self._capture_hidden)
+            logger.info("[sglang-dynspec] plain decode graph recaptured after %s", method)
+        elif self.graph is not None:
+            self.graph = None
+            logger.warning(
+                "[sglang-dynspec] target weights changed (%s): plain decode steps run without their CUDA "
+                "graph until a weight update with recapture_cuda_graph=True recaptures it",
+                method,
+            )
+
+
+class _WeightUpdateWatch:
+    """The target's weight updater, unchanged, with a callback after every ``update_weights_from_*``."""
+
+    def __init__(self, inner, after_update):
+        self._inner, self._after_update = inner, after_update
+
+    def __getattr__(self, name):
+        attr = getattr(self._inner, name)
+        if not (name.startswith("update_weights_from_") and callable(attr)):
+            return attr
+
+        def update(*args, **kwargs):
+            result = attr(*args, **kwargs)
+            succeeded = bool(result[0]) if isinstance(result, tuple) and result else True
+            self._after_update(name, succeeded, bool(kwargs.get("recapture_cuda_graph", False)))
+            return result
+
+        return update

@@ -19,7 +19,7 @@ from sglang_dynspec import compat, config
 from sglang_dynspec.catch_up import DraftCatchUp, NoCatchUp, free_memory_note
 from sglang_dynspec.controller import ModeController, build_sinks
 from sglang_dynspec.estimates import EstimateFeed
-from sglang_dynspec.plain_graph import capture_plain_decode_graph
+from sglang_dynspec.plain_graph import PlainGraphKeeper
 from sglang_dynspec.plain_step import run_plain_decode
 from sglang_dynspec.policy import Mode
 
@@ -50,7 +50,7 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
             ),
         )
         self.catch_up = NoCatchUp()  # allocated in init_cuda_graphs, once the KV pools exist
-        self.plain_graph = None  # captured in init_cuda_graphs; None: eager plain steps
+        self.plain_graphs = None  # PlainGraphKeeper, from init_cuda_graphs; None: eager plain steps
         self._last_step_plain = False
         if first_rank:
             logger.info(
@@ -83,7 +83,7 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
             )
         super().init_cuda_graphs()
         if self.settings.plain_cuda_graph:
-            self.plain_graph = capture_plain_decode_graph(
+            self.plain_graphs = PlainGraphKeeper(
                 self.target_worker.model_runner, capture_hidden=self.catch_up.enabled
             )
 
@@ -101,7 +101,8 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
         )
         self._last_step_plain = mode is Mode.PLAIN
         if mode is Mode.PLAIN:
-            out = run_plain_decode(self, batch, self.catch_up, self.plain_graph, on_publish, grammar_barrier)
+            graph = self.plain_graphs.graph if self.plain_graphs is not None else None
+            out = run_plain_decode(self, batch, self.catch_up, graph, on_publish, grammar_barrier)
             self.controller.after_decode(mode, replayed_graph=bool(out.can_run_cuda_graph))
             return out
         self.catch_up.before_speculative_step(batch)

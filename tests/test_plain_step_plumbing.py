@@ -89,3 +89,59 @@ def test_war_barrier_runner_follows_the_last_step():
     assert getattr(worker, compat.WAR_RUNNER_PROPERTY) is target
     worker._last_step_plain = False
     assert getattr(worker, compat.WAR_RUNNER_PROPERTY) is draft
+
+
+class FakeWeightUpdater:
+    """Stands in for SGLang's frozen WeightUpdater: records calls, returns (ok, message)."""
+
+    def __init__(self):
+        self.calls, self.tp_rank = [], 0
+
+    def update_weights_from_disk(self, model_path, load_format, recapture_cuda_graph=False):
+        self.calls.append(("disk", recapture_cuda_graph))
+        return True, "ok"
+
+    def update_weights_from_tensor(self, recv_req):
+        self.calls.append(("tensor", None))
+        return True, "ok"
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, load_format=None):
+        self.calls.append(("distributed", None))
+        return False, "failed"
+
+
+def test_weight_updates_drop_the_plain_graph_until_a_recapture():
+    from sglang_dynspec.plain_graph import PlainGraphKeeper
+
+    captures = []
+
+    def capture(runner, capture_hidden):
+        captures.append(capture_hidden)
+        return PlainDecodeGraph(runner=f"graph-{len(captures)}", attn_backend="b", memory_bytes=0)
+
+    inner = FakeWeightUpdater()
+    runner = types.SimpleNamespace(weight_updater=inner)
+    keeper = PlainGraphKeeper(runner, capture_hidden=True, capture=capture)
+    assert keeper.graph.runner == "graph-1"
+    assert runner.weight_updater.tp_rank == 0  # everything else reads through
+
+    assert runner.weight_updater.update_weights_from_tensor("req") == (True, "ok")
+    assert keeper.graph is None  # new weights: plain steps run eagerly
+    assert runner.weight_updater.update_weights_from_disk("/m", "auto", recapture_cuda_graph=False)[0]
+    assert keeper.graph is None
+    assert runner.weight_updater.update_weights_from_disk("/m", "auto", recapture_cuda_graph=True)[0]
+    assert keeper.graph.runner == "graph-2" and captures == [True, True]
+    # A failed update (the weights may be half-written) also drops the graph.
+    assert runner.weight_updater.update_weights_from_distributed("n", "d", "s", "g") == (False, "failed")
+    assert keeper.graph is None
+    assert [c[0] for c in inner.calls] == ["tensor", "disk", "disk", "distributed"]
+    assert keeper.weight_updates == 4
+
+
+def test_without_cuda_graphs_nothing_is_wrapped():
+    from sglang_dynspec.plain_graph import PlainGraphKeeper
+
+    inner = FakeWeightUpdater()
+    runner = types.SimpleNamespace(weight_updater=inner)
+    keeper = PlainGraphKeeper(runner, capture_hidden=False, capture=lambda r, capture_hidden: None)
+    assert keeper.graph is None and runner.weight_updater is inner
