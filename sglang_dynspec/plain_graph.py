@@ -91,6 +91,13 @@ def capture_plain_decode_graph(model_runner, capture_hidden: bool = True) -> Pla
     model_runner.spec_algorithm = compat.SpeculativeAlgorithm.NONE
     try:
         runner = runner_cls(model_runner, attn_backend=attn_backend)  # captures
+    except torch.cuda.OutOfMemoryError as e:
+        raise RuntimeError(
+            f"capturing the plain decode CUDA graph ran out of device memory ({free_before / 2**20:.0f} MiB "
+            "were free after SGLang's own graphs and the catch-up buffer): lower --mem-fraction-static, "
+            "lower --cuda-graph-max-bs, lower --speculative-catch-up-tokens, or set "
+            "SGLANG_DYNSPEC_PLAIN_CUDA_GRAPH=0 to run plain steps without a graph"
+        ) from e
     finally:
         model_runner.spec_algorithm = saved_algorithm
     free_after = torch.cuda.mem_get_info()[0]
