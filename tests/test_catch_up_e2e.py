@@ -204,7 +204,9 @@ def test_draft_kv_with_mixed_chunks_equals_always_speculating(tiny_models, tmp_p
     )
 
     assert outputs == reference_outputs
-    assert counters.steps_plain > 0 and sum(counters.catch_ups.values()) >= 1, counters
+    # The path this test names: catch-ups before mixed prefill+decode steps (3 in the
+    # 2026-12-01 CI run), not only at resumes.
+    assert counters.steps_plain > 0 and counters.catch_ups["mixed"] >= 1, counters
     reference_kv, kv = dumps_by_tokens(reference_dir), dumps_by_tokens(dynamic_dir)
     assert set(kv) == set(reference_kv)
     for tokens, record in kv.items():
