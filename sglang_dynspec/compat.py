@@ -253,7 +253,8 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
     HostSymbols(Req, ("kv|req_pool_idx", "rid", "spec_num_correct_drafts", "spec_verify_ct")),
     HostSymbols(ReqToTokenPool, ("req_to_token",)),
     HostSymbols(
-        SamplingBatchInfo, ("temperatures", "top_ps", "top_ks", "min_ps", "sampling_seed", "grammars")
+        SamplingBatchInfo,
+        ("temperatures", "top_ps", "top_ks", "min_ps", "sampling_seed", "grammars", "need_min_p_sampling"),
     ),
     # Results and the speculative state carried between steps (plain_step.py).
     HostSymbols(

@@ -51,6 +51,13 @@ def build_plain_decode_batch(batch: ScheduleBatch, req_to_token: torch.Tensor) -
     # [bs] new tensors: decode positions are seq_lens - 1 and attention reads
     # seq_lens keys, the pending token included.
     plain.seq_lens = batch.seq_lens + 1
+    # Sampling must mean the same in both modes. SGLang's EAGLE verify applies
+    # temperature, top-k, top-p, penalties and logit bias, but not min_p; the plain
+    # step samples through the model runner's sampler, which would. So it ignores
+    # min_p too (on its own copy: the scheduler's sampling info is not edited).
+    if batch.sampling_info is not None and batch.sampling_info.need_min_p_sampling:
+        plain.sampling_info = copy.copy(batch.sampling_info)
+        plain.sampling_info.need_min_p_sampling = False
     if batch.seq_lens_cpu is not None:
         plain.seq_lens_cpu = batch.seq_lens_cpu + 1
         plain.seq_lens_sum = int(plain.seq_lens_cpu.sum())

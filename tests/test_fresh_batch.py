@@ -185,3 +185,15 @@ def test_input_ids_do_not_alias_the_draft_input():
     made = build_spec_decode_batch(example_case(bonus_dtype=torch.int64))
     plain = fresh_batch.build_plain_decode_batch(made.batch, made.req_to_token)
     assert not shares_storage(plain.input_ids, made.batch.spec_info.bonus_tokens)
+
+
+def test_min_p_is_ignored_by_plain_steps_as_by_verify():
+    """EAGLE verify does not apply min_p; the plain step's sampler must not either, or a
+    request's sampling would change with the mode. The scheduler's sampling info stays."""
+    made = build_spec_decode_batch(example_case())
+    info = made.batch.sampling_info
+    info.need_min_p_sampling = True
+    plain = fresh_batch.build_plain_decode_batch(made.batch, made.req_to_token)
+    assert plain.sampling_info is not info and plain.sampling_info.need_min_p_sampling is False
+    assert info.need_min_p_sampling is True
+    assert plain.sampling_info.temperatures is info.temperatures  # everything else shared
