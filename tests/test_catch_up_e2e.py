@@ -25,14 +25,16 @@ Greedy outputs equal the EAGLE3 server's, token for token, in every run.
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
 from dynspec_testbed.draft_kv import DUMP_DIR_ENV, load_dumps
-from dynspec_testbed.server import CpuServer, wait_until_idle
-from dynspec_testbed.workload import plugin_counters, random_requests, run_staggered, run_waves
+from dynspec_testbed.server import CpuServer, generate, wait_until_idle
+from dynspec_testbed.workload import plugin_counters, random_requests, run_waves
 
 pytestmark = pytest.mark.server
 
@@ -50,7 +52,12 @@ KV_WAVES = [LONG + SHORT]
 # Prompts longer than a 32-token prefill chunk, started 0.15 s apart: with
 # --enable-mixed-chunk their chunks mix with the decoding requests, whose gaps are
 # then replayed before the mixed step.
-STAGGERED = random_requests(8, seed=41, prefix="mix", prompt_len=(33, 70), new_tokens=(40, 40))
+# Mixed steps with decoding requests in plain mode, by construction: four requests
+# decode (plain: above the threshold of 3) and, once the server has run some plain
+# steps, three prompts longer than the 32-token prefill chunk join, so their chunks
+# are prefilled in mixed steps beside requests whose gaps are not empty.
+MIX_DECODING = random_requests(4, seed=41, prefix="mixdec", new_tokens=(80, 80))
+MIX_JOINING = random_requests(3, seed=42, prefix="mixjoin", prompt_len=(40, 70), new_tokens=(20, 20))
 COUNT_WAVES = [
     random_requests(1, seed=31, prefix="alone", new_tokens=(30, 30)),
     random_requests(2, seed=32, prefix="long", new_tokens=(60, 60))
@@ -89,12 +96,32 @@ def dynamic_args(buffer: int) -> list[str]:
     ]
 
 
-def serve(args, log: Path, env: dict[str, str], waves=None, staggered=None):
-    """Run ``waves`` (or ``staggered`` requests) on a server; return (outputs by rid,
-    plugin counters)."""
+def join_while_decoding(url: str, plain_steps: int = 6, timeout: float = 120.0) -> dict[str, dict]:
+    """MIX_DECODING, then MIX_JOINING once the server has run ``plain_steps`` plain steps
+    (a server without the plugin's metrics: once it has decoded for a second)."""
+    with ThreadPoolExecutor(max_workers=len(MIX_DECODING) + len(MIX_JOINING)) as pool:
+        decoding = {r.rid: pool.submit(generate, url, **r.kwargs()) for r in MIX_DECODING}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            counters = plugin_counters(url)
+            if not counters.has_plugin_metrics:
+                time.sleep(1.0)
+                break
+            if counters.steps_plain >= plain_steps:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"the decoding wave never ran {plain_steps} plain steps")
+        joining = {r.rid: pool.submit(generate, url, **r.kwargs()) for r in MIX_JOINING}
+        return {rid: f.result() for rid, f in {**decoding, **joining}.items()}
+
+
+def serve(args, log: Path, env: dict[str, str], waves=None, workload=None):
+    """Run ``waves`` (or ``workload(url)``) on a server; return (outputs by rid, plugin
+    counters)."""
     with CpuServer(args, log_path=log, env=env) as server:
-        if staggered is not None:
-            outputs = run_staggered(server.url, staggered, gap_s=0.15)
+        if workload is not None:
+            outputs = workload(server.url)
         else:
             outputs = run_waves(server.url, waves)
         loads = wait_until_idle(server.url, timeout=60)
@@ -182,9 +209,10 @@ def test_draft_kv_without_catch_up_differs_where_decoded_plain(tiny_models, eagl
 
 
 def test_draft_kv_with_mixed_chunks_equals_always_speculating(tiny_models, tmp_path):
-    """Mixed prefill+decode steps (the third catch-up point). Which requests are in plain
-    mode when a chunk mixes in depends on timing, so every request is held to the
-    weaker bound: all positions but its last BUFFER equal the EAGLE3 server's."""
+    """Mixed prefill+decode steps (the third catch-up point): prompts join while four
+    requests decode in plain mode. Where each request's last buffer stands when a chunk
+    mixes in depends on timing, so every request is held to the weaker bound: all
+    positions but its last BUFFER equal the EAGLE3 server's."""
     common = spec_args(tiny_models, "target", "draft", 3, 4)
     reference_dir, dynamic_dir = tmp_path / "eagle3", tmp_path / "dynamic"
     reference_dir.mkdir()
@@ -193,19 +221,18 @@ def test_draft_kv_with_mixed_chunks_equals_always_speculating(tiny_models, tmp_p
         ["--speculative-algorithm", "EAGLE3", *common],
         reference_dir / "server.log",
         {**CI_ENV, DUMP_DIR_ENV: str(reference_dir)},
-        staggered=STAGGERED,
+        workload=join_while_decoding,
     )
     mixed = ["--enable-mixed-chunk", "--chunked-prefill-size", 32]
     outputs, counters = serve(
         [*dynamic_args(BUFFER), *common, *mixed],
         dynamic_dir / "server.log",
         {**CI_ENV, DUMP_DIR_ENV: str(dynamic_dir)},
-        staggered=STAGGERED,
+        workload=join_while_decoding,
     )
 
     assert outputs == reference_outputs
-    # The path this test names: catch-ups before mixed prefill+decode steps (3 in the
-    # 2026-12-01 CI run), not only at resumes.
+    # The path this test names: catch-ups before mixed prefill+decode steps.
     assert counters.steps_plain > 0 and counters.catch_ups["mixed"] >= 1, counters
     reference_kv, kv = dumps_by_tokens(reference_dir), dumps_by_tokens(dynamic_dir)
     assert set(kv) == set(reference_kv)
