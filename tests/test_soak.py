@@ -14,7 +14,9 @@ pytestmark = pytest.mark.server
 
 
 def test_hundred_switches_lose_nothing(tiny_models, tmp_path):
-    summary = soak(tiny_models, tmp_path, switches=100, max_seconds=600, seed=1)
+    # The switch count ends the run; the time bound only stops a server that stopped switching
+    # (a 2026-12-01 run under a second load on 2 cores reached 96 switches in 600 s).
+    summary = soak(tiny_models, tmp_path, switches=100, max_seconds=2400, seed=1)
     assert summary["switches"] >= 100, summary
     assert summary["crashes"] == 0, summary
     assert summary["leaks"] == 0, summary
