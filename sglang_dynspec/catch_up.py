@@ -411,14 +411,25 @@ class DraftCatchUp:
         fresh = self._catch_up(batch, gap_rows, compat.pending_tokens(draft_input)[rows], reason)
         if reason == "resume":
             with_draft_state_rows(draft_input, rows, fresh)
-        # buffer_full: the fresh state is dropped; the plain step that follows starts a
-        # new gap, and its catch-up at resume produces the state the draft needs.
 
     def _catch_up(self, batch: ScheduleBatch, gap_rows: GapRows, tails: torch.Tensor, reason: str):
+        """Replay ``gap_rows``' gaps into the draft; return the draft's fresh state
+        (proposals from each request's last position), or None for a buffer-full
+        flush: the plain step that follows starts a new gap, and the catch-up at
+        resume produces the state the draft needs, so that flush only writes KV
+        (``compat.fill_draft_kv``, one batched rotation instead of SGLang's
+        per-request loop, no sampling)."""
         timer = DeviceTimer.start(self.worker.device)
         hidden, tokens = self.log.gather(gap_rows)
         ext = build_catch_up_batch(batch, gap_rows, tokens, self.worker.req_to_token_pool.req_to_token)
-        fresh = compat.run_draft_extend(self.worker, ext, hidden, tails)
+        if reason == "buffer_full":
+            last_rows = to_device(
+                list(itertools.accumulate(gap_rows.gaps, initial=-1))[1:], torch.int64, tokens.device
+            )
+            compat.fill_draft_kv(self.worker, ext, hidden, tails, last_rows)
+            fresh = None
+        else:
+            fresh = compat.run_draft_extend(self.worker, ext, hidden, tails)
         self.log.forget(gap_rows.pool_indices)
         timer.stop()
         self.report(reason, len(gap_rows), gap_rows.num_tokens, timer)

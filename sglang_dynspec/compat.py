@@ -47,7 +47,7 @@ from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_executor.runner.base_runner import BaseRunner
 from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
@@ -55,7 +55,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative import eagle_utils, eagle_worker_v2, spec_registry
-from sglang.srt.speculative.eagle_info import EagleDraftInput
+from sglang.srt.speculative.eagle_info import EagleDraftExtendInput, EagleDraftInput
 from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorkerV2
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
@@ -84,6 +84,7 @@ __all__ = [
     "decode_batch_size",
     "gather_across_tensor_parallel_ranks",
     "draft_extend_contexts",
+    "fill_draft_kv",
     "is_decode_step",
     "is_idle_step",
     "is_registered",
@@ -206,13 +207,20 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
             "_get_attention_backend",
             "model_config",
             "tp_group?",  # 0.5.17's draft TP context takes it (see draft_extend_contexts)
+            "forward",
+            "canary_manager?",  # a KV debugging mode of both versions; fill_draft_kv defers to SGLang under it
             "shared_read_done_event|war_fastpath_read_done_event",
         ),
     ),
     HostSymbols(ModelConfig, ("dtype",)),
     HostSymbols(BaseRunner, ("return_hidden_states_mode",)),
     HostSymbols(DecodeCudaGraphRunner, ("max_bs",)),
-    HostSymbols(CaptureHiddenMode, ("FULL", "LAST")),
+    HostSymbols(CaptureHiddenMode, ("FULL", "LAST", "NULL")),
+    # The draft's KV fill without proposals (fill_draft_kv).
+    HostSymbols(ForwardBatch, ("init_new", "return_logprob")),
+    HostSymbols(
+        EagleDraftExtendInput, ("hidden_states", "num_tokens_per_req", "num_tokens_for_logprob_per_req")
+    ),
     HostSymbols(ForwardMode, ("DECODE", "EXTEND", "is_decode", "is_idle")),
     # Batches: the scheduler's decode batch, the plain batch and the catch-up EXTEND
     # batch (fresh_batch.py, catch_up.py).
@@ -521,3 +529,41 @@ def run_draft_extend(spec_worker, extend_batch: ScheduleBatch, target_hidden, ta
     """
     with draft_extend_contexts(spec_worker):
         return spec_worker.draft_worker._draft_extend_for_prefill(extend_batch, target_hidden, tail_tokens)
+
+
+def fill_draft_kv(spec_worker, extend_batch: ScheduleBatch, target_hidden, tail_tokens, last_rows) -> None:
+    """Write the draft KV of ``extend_batch``'s positions; no proposals.
+
+    What ``run_draft_extend`` does, less what a catch-up that drops its proposals
+    does not need: SGLang's pass rotates the inputs request by request (a Python loop
+    of two launches per request, the host-bound part of a catch-up flush:
+    benchmarks/profiles/plain-mode-3b-20261201.md) and then samples proposals. Here
+    the rotation is one shifted copy and one scatter (``last_rows`` ``[bs]``: the
+    index of each request's last position in ``extend_batch.input_ids``; the
+    ``tail_tokens`` go there), the forward captures no hidden state and nothing is
+    sampled. The draft forward itself is SGLang's: the same ``ForwardBatch`` and
+    ``EagleDraftExtendInput`` as ``_draft_extend_for_prefill`` builds (multimodal
+    inputs and DSA seeding, which a catch-up never has, aside). Under SGLang's KV
+    canary (a debugging mode that wraps that forward) it defers to ``run_draft_extend``.
+    """
+    draft_worker = spec_worker.draft_worker
+    draft_runner = draft_worker.draft_runner
+    if getattr(draft_runner, "canary_manager", None) is not None:
+        run_draft_extend(spec_worker, extend_batch, target_hidden, tail_tokens)
+        return
+    tokens = extend_batch.input_ids
+    rotated = tokens.roll(-1, 0)  # each position's input is the next position's token ...
+    rotated[last_rows] = tail_tokens.to(tokens.dtype)  # ... and each request's last, its pending one
+    extend_batch.input_ids = rotated
+    extend_batch.spec_info = EagleDraftExtendInput(
+        hidden_states=target_hidden, num_tokens_per_req=1, num_tokens_for_logprob_per_req=1
+    )
+    with draft_extend_contexts(spec_worker):
+        forward_batch = ForwardBatch.init_new(
+            extend_batch,
+            draft_runner,
+            capture_hidden_mode=CaptureHiddenMode.NULL,
+            return_hidden_states_before_norm=False,
+        )
+        forward_batch.return_logprob = False
+        draft_runner.forward(forward_batch)
