@@ -117,7 +117,7 @@ class PlainGapLog:
 
     def is_full(self, pool_indices: Sequence[int]) -> bool:
         """True if recording one more plain step would overflow some request's buffer."""
-        return any(self.gap[i] >= self.capacity for i in pool_indices)
+        return bool(pool_indices) and max(map(self.gap.__getitem__, pool_indices)) >= self.capacity
 
     def record(
         self,
@@ -128,11 +128,12 @@ class PlainGapLog:
     ) -> None:
         """Log one plain step: ``tokens[i]`` was the input and ``hidden[i]`` the aux state
         at the position request ``i`` just decoded. Call ``is_full`` (and flush) first."""
-        full = [i for i in pool_indices if self.gap[i] >= self.capacity]
-        if full:
+        if self.is_full(pool_indices):
+            full = [i for i in pool_indices if self.gap[i] >= self.capacity]
             raise RuntimeError(f"request slots {full}: plain-step log full ({self.capacity} positions)")
+        gap = self.gap
         for i in pool_indices:
-            self.gap[i] += 1
+            gap[i] += 1
         idx = pool_indices_device.long()
         col = self._fill[idx]
         self.hidden[idx, col] = hidden.to(self.hidden.dtype)
@@ -345,7 +346,7 @@ class DraftCatchUp:
 
     @staticmethod
     def _pool_indices(batch: ScheduleBatch) -> list[int]:
-        return [compat.request_pool_index(req) for req in batch.reqs]
+        return compat.request_pool_indices(batch.reqs)
 
     def before_plain_step(self, batch: ScheduleBatch) -> list[int]:
         """If some request's log is full, catch every gap of the batch up. Returns the

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import operator
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed import parallel_state
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.managers import overlap_utils
-from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglang.srt.managers.schedule_batch import Req, ReqKvInfo, ScheduleBatch
 from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
@@ -96,6 +97,7 @@ __all__ = [
     "register_algorithm",
     "register_cli_args_hook",
     "request_pool_index",
+    "request_pool_indices",
     "request_pool_size",
     "run_draft_extend",
     "run_target_decode",
@@ -258,6 +260,7 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
             "chunked_req_next_prompt_token?",
         ),
     ),
+    HostSymbols(ReqKvInfo, ("req_pool_idx?",)),  # 0.5.23's home of the request's row
     HostSymbols(Req, ("kv|req_pool_idx", "rid", "spec_num_correct_drafts", "spec_verify_ct")),
     HostSymbols(ReqToTokenPool, ("req_to_token",)),
     HostSymbols(
@@ -366,12 +369,17 @@ def spec_forward_kwargs(on_publish, grammar_barrier, pp_proxy_tensors) -> dict:
     return kwargs
 
 
-def request_pool_index(req) -> int:
-    """The request's ``req_to_token`` row."""
-    kv = getattr(req, "kv", None)
-    if kv is not None and hasattr(kv, "req_pool_idx"):
-        return kv.req_pool_idx
-    return req.req_pool_idx
+# A request's ``req_to_token`` row: ``req.kv.req_pool_idx`` on 0.5.23,
+# ``req.req_pool_idx`` on 0.5.17. Resolved once: the catch-up reads it for every
+# request of every plain step.
+request_pool_index: Callable[[Req], int] = operator.attrgetter(
+    "kv.req_pool_idx" if _has_attribute(ReqKvInfo, "req_pool_idx") else "req_pool_idx"
+)
+
+
+def request_pool_indices(reqs) -> list[int]:
+    """The ``req_to_token`` row of each request."""
+    return list(map(request_pool_index, reqs))
 
 
 def set_optional_batch_fields(batch: ScheduleBatch, **values) -> None:

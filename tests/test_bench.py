@@ -797,3 +797,26 @@ def test_plot_rejects_files_without_records(tmp_path, capsys):
     bad.write_text('{"kind": "sweep_point"}\nnot json\n')
     assert main(["plot", str(bad), "--out-dir", str(tmp_path / "p")]) == 2
     assert "bad.jsonl:2" in capsys.readouterr().err
+
+
+def test_catch_up_fields_are_the_point_s_deltas():
+    from sglang_dynspec.bench.sweep import catch_up_fields
+
+    before = scrape.MetricsSnapshot(
+        catch_ups={"buffer_full": 3.0}, catch_up_tokens=300.0, catch_up_seconds_sum=0.010, catch_up_timed=3.0
+    )
+    after = scrape.MetricsSnapshot(
+        catch_ups={"buffer_full": 7.0, "resume": 1.0},
+        catch_up_tokens=800.0,
+        catch_up_seconds_sum=0.030,
+        catch_up_timed=7.0,  # the last catch-up's time not read back yet
+    )
+    got = catch_up_fields(before, after, wall_s=2.0)
+    assert got["catch_ups"] == 5.0 and got["catch_up_positions"] == 500.0
+    assert got["catch_up_s"] == pytest.approx(0.020)
+    assert got["catch_up_ms_mean"] == pytest.approx(5.0)  # per timed catch-up
+    assert got["catch_up_share"] == pytest.approx(0.010)
+    assert (
+        catch_up_fields(None, after, 2.0) == {}
+        and catch_up_fields(scrape.MetricsSnapshot(), scrape.MetricsSnapshot(), 1.0) == {}
+    )

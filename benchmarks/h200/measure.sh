@@ -13,14 +13,22 @@
 # Results: $OUT/h200-YYYYMMDD.jsonl (sweeps), $OUT/ramp-YYYYMMDD.jsonl (ramp).
 set -u
 source .gpu/device-env.sh || exit 1
+# SHAPE=3b measures the Llama-3.2-3B-shaped pair instead (../shared/gpu/models).
+case ${SHAPE:-8b} in
+  8b) export MODEL=.gpu/models/llama8b; SHAPE_TAG=llama-3.1-8b-dummy ;;
+  3b) export MODEL=.gpu/models/llama3b; SHAPE_TAG=llama-3.2-3b-dummy ;;
+  *) echo "SHAPE must be 8b or 3b, got ${SHAPE}" >&2; exit 2 ;;
+esac
 source benchmarks/h200/lib.sh
-export SGLANG_SIMULATE_ACC_LEN=3.0   # read only by speculative verify
+[ "${SHAPE:-8b}" = 3b ] && EAGLE_ARGS=(--speculative-draft-model-path .gpu/models/eagle3-3b --speculative-draft-load-format dummy)
+export SGLANG_SIMULATE_ACC_LEN=${ACC_LEN:-3.0}   # read only by speculative verify
 DAY=$(date -u +%Y%m%d)
-RESULTS=$OUT/h200-$DAY.jsonl
+RESULTS=${RESULTS:-$OUT/h200-$DAY.jsonl}
 SPEC=("${EAGLE_ARGS[@]}" --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)
 # PLUGIN_COMMIT=<git sha> tags every row with the plugin code that was measured.
 COMMON_BENCH=(--url "$URL" --prompt-len 256 --output-len 256 --no-progress --tag hw=H200
-              --tag shape=llama-3.1-8b-dummy --tag acc_len=3.0 --tag "plugin_commit=${PLUGIN_COMMIT:-unknown}")
+              --tag "shape=$SHAPE_TAG" --tag "acc_len=$SGLANG_SIMULATE_ACC_LEN"
+              --tag "plugin_commit=${PLUGIN_COMMIT:-unknown}")
 
 # Every server gets --enable-metrics: the dynamic one needs it to report its mode, and
 # SGLang's metrics collection has a cost of its own (the 2026-11-29 run gave it to the
@@ -30,6 +38,11 @@ server_args() {
     baseline) echo --enable-metrics ;;
     eagle3)   echo --speculative-algorithm EAGLE3 "${SPEC[@]}" --enable-metrics ;;
     dynamic)  echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
+    # dynamic-tN: --speculative-catch-up-tokens N; dynamic-goodput: the goodput policy.
+    dynamic-t*) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics \
+                  --speculative-catch-up-tokens "${1#dynamic-t}" ;;
+    dynamic-goodput) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics \
+                  --speculative-dynamic-policy goodput ;;
     adaptive) echo --speculative-algorithm EAGLE3 "${SPEC[@]}" --speculative-adaptive --enable-metrics ;;
   esac
 }
@@ -37,7 +50,12 @@ server_args() {
 for cfg in ${CONFIGS:-baseline eagle3 dynamic}; do
   # shellcheck disable=SC2046
   if start_server "$cfg" $(server_args "$cfg"); then
-    python3 -m sglang_dynspec.bench sweep "${COMMON_BENCH[@]}" --config "$cfg" \
+    case $cfg in
+      dynamic-t*) CATCH_UP=${cfg#dynamic-t} ;;
+      dynamic*) CATCH_UP=$(python3 -c "from sglang_dynspec.config import DEFAULT_CATCH_UP_TOKENS as t; print(t)") ;;
+      *) CATCH_UP=none ;;
+    esac
+    python3 -m sglang_dynspec.bench sweep "${COMMON_BENCH[@]}" --config "$cfg" --tag "catch_up_tokens=$CATCH_UP" \
       --concurrency "${C:-1,4,16,32,64,128}" --repeats "${REPEATS:-2}" --out "$RESULTS" \
       2> "$OUT/sweep_$cfg.err" | tail -n 3
     stop_server

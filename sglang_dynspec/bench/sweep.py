@@ -55,6 +55,23 @@ def mode_fields(before: MetricsSnapshot | None, after: MetricsSnapshot | None) -
     }
 
 
+def catch_up_fields(before: MetricsSnapshot | None, after: MetricsSnapshot | None, wall_s: float) -> dict:
+    """The draft catch-ups of one point, from the plugin's metrics: how many, the
+    positions replayed, their device time and its share of the point's wall time (an
+    upper bound on their share of plain-decode time when every step ran plain)."""
+    if before is None or after is None or after.catch_up_seconds_sum is None:
+        return {}
+    seconds = _delta(before.catch_up_seconds_sum, after.catch_up_seconds_sum)
+    timed = _delta(before.catch_up_timed, after.catch_up_timed)
+    return {
+        "catch_ups": _delta(sum((before.catch_ups or {}).values()), sum((after.catch_ups or {}).values())),
+        "catch_up_positions": _delta(before.catch_up_tokens, after.catch_up_tokens),
+        "catch_up_s": seconds,
+        "catch_up_ms_mean": 1e3 * seconds / timed if seconds is not None and timed else None,
+        "catch_up_share": seconds / wall_s if seconds is not None and wall_s > 0 else None,
+    }
+
+
 async def _metrics_or_none(session, base_url) -> MetricsSnapshot | None:
     try:
         snap = await fetch_metrics(session, base_url)
@@ -141,6 +158,7 @@ async def run_sweep(args: argparse.Namespace) -> int:
                         **stats,
                         **server,
                         **mode_fields(before, after),
+                        **catch_up_fields(before, after, wall),
                         "date": utc_now_iso(),
                         "prompt_len": args.prompt_len,
                         "output_len": args.output_len,
