@@ -10,7 +10,7 @@ import os
 os.environ.setdefault("SGLANG_DYNSPEC_DISABLE_BATCH_THRESHOLD", "32")
 os.environ.setdefault("SGLANG_DYNSPEC_ENABLE_BATCH_THRESHOLD", "28")
 os.environ.setdefault("SGLANG_DYNSPEC_MIN_DWELL_STEPS", "8")
-os.environ.setdefault("SGLANG_DYNSPEC_CATCH_UP_TOKENS", "32")  # draft catch-up buffer per request
+os.environ.setdefault("SGLANG_DYNSPEC_CATCH_UP_TOKENS", "128")  # draft catch-up buffer per request
 
 import sglang  # noqa: E402  (after the environment is set)
 

@@ -13,6 +13,6 @@ exec python -m sglang.launch_server \
   --speculative-disable-batch-threshold 32 \
   --speculative-enable-batch-threshold 28 \
   --speculative-min-dwell-steps 8 \
-  --speculative-catch-up-tokens 32 \
+  --speculative-catch-up-tokens 128 \
   --enable-metrics \
   --host 127.0.0.1 --port 30000 "$@"
