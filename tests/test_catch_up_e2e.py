@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from dynspec_testbed.draft_kv import DUMP_DIR_ENV, load_dumps
+from dynspec_testbed.host_reads import HOST_READS_ENV, load_reports
 from dynspec_testbed.server import CpuServer, generate, wait_until_idle
 from dynspec_testbed.workload import plugin_counters, random_requests, run_waves
 
@@ -175,10 +176,20 @@ def test_draft_kv_after_catch_up_equals_always_speculating(
     tiny_models, eagle3_draft_kv, tmp_path, scheduler_env
 ):
     reference_outputs, reference_kv = eagle3_draft_kv
-    outputs, counters, kv = run_dynamic_with_dumps(tiny_models, tmp_path, scheduler_env, BUFFER)
+    reads = tmp_path / "host-reads"
+    outputs, counters, kv = run_dynamic_with_dumps(
+        tiny_models, tmp_path, {**scheduler_env, HOST_READS_ENV: str(reads)}, BUFFER
+    )
 
     assert outputs == reference_outputs
     assert counters.catch_ups["resume"] >= 1 and counters.catch_ups["buffer_full"] >= 1, counters
+    # No host sync in the plugin's step code: its own frames read no tensor to the host
+    # during these steps (plain, speculative, resume and buffer-full catch-ups) except at
+    # the host-mirror sites of host_reads.ALLOWED. The guard saw the plugin's frames: the
+    # plain step's host-mirror read is among the counted sites.
+    [report] = load_reports(reads)
+    assert report["steps"] >= 16 and report["violations"] == {}, report
+    assert report["reads"].get("fresh_batch.py:build_plain_decode_batch:__int__", 0) >= 1, report
     # (The server's own warm-up request is dumped too and compared like the others.)
     assert set(kv) == set(reference_kv)
     assert sum(is_long(t) for t in kv) == len(LONG) and sum(started_as(t, SHORT) for t in kv) == len(SHORT)

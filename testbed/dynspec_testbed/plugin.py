@@ -14,6 +14,9 @@ Environment variables (booleans read with ``sglang_dynspec.config.env_bool``:
     ``SGLANG_DYNSPEC_TESTBED_DRAFT_KV_DIR=<dir>``
         Writes the draft KV rows of every finished request under ``<dir>``
         (``draft_kv.py``), for the catch-up tests.
+    ``SGLANG_DYNSPEC_TESTBED_HOST_READS=<file>``
+        Counts the tensor reads to the host made by the plugin's own code during
+        its steps (``host_reads.py``), for the no-host-sync test.
     ``SGLANG_DYNSPEC_TESTBED_OVERLAP=1``
         Runs EAGLE-family speculative decoding (EAGLE, EAGLE3 and plugin
         algorithms whose spec class answers ``is_eagle()``, e.g. EAGLE3_DYNAMIC)
@@ -65,10 +68,12 @@ def register() -> None:
     global _registered
     if _registered or not env_bool(TESTBED_ENV, False):
         return
-    from dynspec_testbed import draft_kv
+    from dynspec_testbed import draft_kv, host_reads
 
     if os.environ.get(draft_kv.DUMP_DIR_ENV):
         draft_kv.register_hooks()
+    if os.environ.get(host_reads.HOST_READS_ENV):
+        host_reads.install_from_environ()
     if overlap_requested():
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
