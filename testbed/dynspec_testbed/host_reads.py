@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 HOST_READS_ENV = "SGLANG_DYNSPEC_TESTBED_HOST_READS"
+SYNC_WATCH_ENV = "SGLANG_DYNSPEC_TESTBED_SYNC_WATCH"  # 1: also count CUDA syncs (SyncWatch)
 READ_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 WORKER_STEP = "sglang_dynspec.worker.DynamicEagleWorker.forward_batch_generation"
 
@@ -54,6 +55,7 @@ class HostReadGuard:
         self.reads: Counter[tuple[str, str, str]] = Counter()
         self.steps = 0
         self.active = 0  # depth of guarded calls in progress
+        self.sync_watch: SyncWatch | None = None
         self._originals: dict[str, object] = {}
 
     def install(self) -> None:
@@ -115,6 +117,7 @@ class HostReadGuard:
             "steps": self.steps,
             "reads": {site_name(s): n for s, n in self.reads.items()},
             "violations": self.violations(),
+            "cuda_syncs": dict(self.sync_watch.syncs) if self.sync_watch is not None else None,
         }
 
     def write(self) -> None:
@@ -124,6 +127,42 @@ class HostReadGuard:
         tmp = target.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.report()))
         tmp.replace(target)
+
+
+class SyncWatch:
+    """On CUDA: the device syncs during guarded steps, by the Python line that made them.
+
+    ``torch.cuda.set_sync_debug_mode("warn")`` makes PyTorch warn at every
+    synchronizing CUDA call; while a step runs, each such warning is counted under the
+    innermost Python line executing (a line of the plugin, or of SGLang: its own
+    speculative step runs inside the worker's step too). CUDA only; reported beside
+    the host reads.
+    """
+
+    def __init__(self):
+        self.syncs: Counter[str] = Counter()
+
+    def around(self, step):
+        watch = self
+
+        @functools.wraps(step)
+        def run(*args, **kwargs):
+            import warnings
+
+            previous = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    out = step(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+            for w in caught:
+                if "synchroniz" in str(w.message):
+                    watch.syncs[f"{w.filename}:{w.lineno}"] += 1
+            return out
+
+        return run
 
 
 def install_from_environ() -> HostReadGuard | None:
@@ -136,7 +175,11 @@ def install_from_environ() -> HostReadGuard | None:
 
     guard = HostReadGuard(Path(sglang_dynspec.__file__).parent, path)
     guard.install()
-    DynamicEagleWorker.forward_batch_generation = guard.guarded(DynamicEagleWorker.forward_batch_generation)
+    step = DynamicEagleWorker.forward_batch_generation
+    if os.environ.get(SYNC_WATCH_ENV) == "1" and torch.cuda.is_available():
+        guard.sync_watch = SyncWatch()
+        step = guard.sync_watch.around(step)
+    DynamicEagleWorker.forward_batch_generation = guard.guarded(step)
     return guard
 
 
