@@ -154,7 +154,10 @@ class PlainGapLog:
             pool_indices_device = to_device(pool_indices, torch.int64, self.device)
         for i in pool_indices:
             self.gap[i] = 0
-        self._fill[pool_indices_device.long()] = 0
+        # index_fill_, not ``_fill[idx] = 0``: assigning a Python scalar through an
+        # index copies it from pageable host memory, a device sync at every prefill
+        # and catch-up (found on the H200 by benchmarks/h200/sync_check.sh).
+        self._fill.index_fill_(0, pool_indices_device.long(), 0)
 
     def gap_rows(self, pool_indices: Sequence[int], committed_lens) -> GapRows:
         """The rows with a gap; ``committed_lens`` is a sequence or a callable giving it
