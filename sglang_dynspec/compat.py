@@ -107,6 +107,7 @@ __all__ = [
     "table_names",
     "target_hidden_dtype",
     "target_hidden_width",
+    "tag_step_mode",
     "tensor_parallel_rank",
 ]
 
@@ -295,7 +296,7 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
             "can_run_cuda_graph",
         ),
     ),
-    HostSymbols(LogitsProcessorOutput, ("hidden_states", "next_token_logprobs")),
+    HostSymbols(LogitsProcessorOutput, ("hidden_states", "next_token_logprobs", "customized_info")),
 )
 
 
@@ -575,3 +576,21 @@ def fill_draft_kv(spec_worker, extend_batch: ScheduleBatch, target_hidden, tail_
         )
         forward_batch.return_logprob = False
         draft_runner.forward(forward_batch)
+
+
+def tag_step_mode(result: GenerationBatchResult, key: str, mode: str) -> None:
+    """Report ``mode`` as this decode step's ``key`` for every request of ``result``.
+
+    SGLang appends ``logits_output.customized_info[key][i]`` to request ``i``'s
+    ``customized_info`` at each step and returns the list in the response's
+    ``meta_info[key]`` (both versions). One entry per decode step, not per token: a
+    non-streamed response has every entry; a streamed one is sliced by token offsets,
+    so its chunks miss some.
+    """
+    logits = result.logits_output
+    if logits is None:
+        return
+    n = int(result.next_token_ids.shape[0]) if result.next_token_ids is not None else 0
+    info = dict(logits.customized_info or {})
+    info[key] = [mode] * n
+    logits.customized_info = info

@@ -123,6 +123,12 @@ def _read_non_negative_int(flag: Flag, environ: Mapping[str, str]) -> int | None
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 PLAIN_CUDA_GRAPH_ENV = "SGLANG_DYNSPEC_PLAIN_CUDA_GRAPH"
+# 1: each response's meta_info lists the mode of each of its decode steps
+# (REQUEST_MODES_KEY). Off by default: SGLang then keeps and streams one value per
+# request per decode step, host work on every step of a server that is host-bound
+# at large batches (benchmarks/results/h200-offstate-20261201.jsonl, 3B shape).
+REQUEST_MODES_ENV = "SGLANG_DYNSPEC_REQUEST_MODES"
+REQUEST_MODES_KEY = "spec_dynamic_step_modes"
 ENABLED_ENV = "SGLANG_DYNSPEC_ENABLED"
 
 
@@ -191,6 +197,7 @@ class Settings:
     speculation_bound: int | None  # goodput: the disable threshold when given explicitly
     catch_up_tokens: int  # 0: no draft catch-up
     plain_cuda_graph: bool  # False: plain steps run eagerly (saves the graph's memory)
+    request_modes: bool  # True: per-request step modes in meta_info (REQUEST_MODES_KEY)
     simulated_acceptance: float | None  # SGLANG_SIMULATE_ACC_LEN, benchmarks only
 
 
@@ -201,6 +208,7 @@ _SETTING_SOURCES = {
     "speculation_bound": DISABLE_THRESHOLD.describe(),
     "catch_up_tokens": CATCH_UP_TOKENS.describe(),
     "plain_cuda_graph": PLAIN_CUDA_GRAPH_ENV,
+    "request_modes": REQUEST_MODES_ENV,
     "simulated_acceptance": SIMULATED_ACCEPTANCE_ENV,
 }
 
@@ -272,6 +280,7 @@ def settings_from_environ(environ: Mapping[str, str] = os.environ) -> Settings:
         speculation_bound=bound,
         catch_up_tokens=catch_up_tokens_from_environ(environ),
         plain_cuda_graph=env_bool(PLAIN_CUDA_GRAPH_ENV, True, environ),
+        request_modes=env_bool(REQUEST_MODES_ENV, False, environ),
         simulated_acceptance=simulated_acceptance_from_environ(environ),
     )
 

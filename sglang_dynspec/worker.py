@@ -104,12 +104,14 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
             graph = self.plain_graphs.graph if self.plain_graphs is not None else None
             out = run_plain_decode(self, batch, self.catch_up, graph, on_publish, grammar_barrier)
             self.controller.after_decode(mode, replayed_graph=bool(out.can_run_cuda_graph))
-            return out
-        self.catch_up.before_speculative_step(batch)
-        out = super().forward_batch_generation(
-            batch, **compat.spec_forward_kwargs(on_publish, grammar_barrier, pp_proxy_tensors)
-        )
-        self.controller.after_decode(mode, accept_lens=out.accept_lens)
+        else:
+            self.catch_up.before_speculative_step(batch)
+            out = super().forward_batch_generation(
+                batch, **compat.spec_forward_kwargs(on_publish, grammar_barrier, pp_proxy_tensors)
+            )
+            self.controller.after_decode(mode, accept_lens=out.accept_lens)
+        if self.settings.request_modes:
+            compat.tag_step_mode(out, config.REQUEST_MODES_KEY, mode.value)
         return out
 
     # The scheduler's WAR barrier waits on the read-done event of the runner this

@@ -57,7 +57,7 @@ def test_bad_values_name_the_flag_and_what_is_accepted(values, flag):
 
 
 @pytest.mark.parametrize(
-    "raw, expected", [(None, 32), ("", 32), ("0", 0), ("1", 1), ("128", 128), ("4096", 4096)]
+    "raw, expected", [(None, 128), ("", 128), ("0", 0), ("1", 1), ("32", 32), ("4096", 4096)]
 )
 def test_catch_up_buffer_size(raw, expected):
     environ = {} if raw is None else {CATCH_UP_TOKENS.env: raw}
@@ -137,3 +137,14 @@ def test_draft_checks():
     msg = config.draft_architecture_error("/m/llama", ["LlamaForCausalLM"])
     assert "--speculative-draft-model-path /m/llama" in msg and "EAGLE-3" in msg
     assert config.draft_architecture_error("/m/d", ["LlamaForCausalLMEagle3"]) is None
+
+
+@pytest.mark.parametrize("raw, expected", [(None, False), ("0", False), ("1", True), ("on", True)])
+def test_request_modes_are_off_unless_asked(raw, expected):
+    environ = {} if raw is None else {config.REQUEST_MODES_ENV: raw}
+    assert config.settings_from_environ(environ).request_modes is expected
+
+
+def test_request_modes_value_is_checked():
+    with pytest.raises(config.ConfigError, match=config.REQUEST_MODES_ENV):
+        config.settings_from_environ({config.REQUEST_MODES_ENV: "maybe"})

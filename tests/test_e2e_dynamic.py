@@ -30,6 +30,7 @@ from dynspec_testbed.workload import (
     split_into_waves,
     waves_of,
 )
+from sglang_dynspec.config import REQUEST_MODES_ENV, REQUEST_MODES_KEY
 
 pytestmark = pytest.mark.server
 
@@ -148,6 +149,25 @@ def assert_switched_both_ways_and_no_leak(server: CpuServer) -> None:
     assert counters.switches_to_plain >= 1 and counters.switches_to_spec >= 1, counters
 
 
+def assert_step_modes_reported(results: dict[str, dict]) -> None:
+    """With SGLANG_DYNSPEC_REQUEST_MODES=1 each response lists the mode of each of its
+    decode steps: as many entries as SGLang counted verify steps for it (plain steps
+    are counted there too), and both modes among the requests of a switching run."""
+    counts = {}
+    for rid, result in results.items():
+        meta = result["meta_info"]
+        modes = meta[REQUEST_MODES_KEY]
+        assert set(modes) <= {"plain", "spec"}, (rid, modes)
+        assert len(modes) == meta["spec_verify_ct"], (rid, len(modes), meta["spec_verify_ct"])
+        # Each plain step yields one token and each speculative step at least one,
+        # after the prefill's first token.
+        assert meta["completion_tokens"] >= 1 + len(modes), (rid, meta["completion_tokens"], len(modes))
+        counts[rid] = (modes.count("plain"), modes.count("spec"))
+    assert any(plain for plain, _ in counts.values()) and any(spec for _, spec in counts.values()), counts
+    # The lone request of the first wave ran alone, below the threshold: speculative only.
+    assert counts["wave0"][0] == 0 and counts["wave0"][1] > 0, counts
+
+
 def test_sync_topk4_random_pair_crash_scenario_retraction_mixed_chunk(tiny_models, reference, tmp_path):
     """Synchronous scheduler, 16 draft tokens (topk 4), threshold 5: the original crash
     configuration; a small KV pool (each request reserves 2 x 20 speculative slots)
@@ -187,10 +207,11 @@ def test_overlap_topk4_random_pair_crash_scenario(tiny_models, reference, tmp_pa
     again, now with the publish, grammar barrier and FutureMap relay of the plain step."""
     log = tmp_path / "server.log"
     args = dynamic_args(tiny_models, "random", steps=5, topk=4, draft_tokens=16, disable_above=5, dwell=0)
-    with CpuServer(args, log_path=log, env=OVERLAP_ENV) as server:
+    with CpuServer(args, log_path=log, env={**OVERLAP_ENV, REQUEST_MODES_ENV: "1"}) as server:
         got = run_sets(server.url, RANDOM_PAIR_SETS, staggered=False)
         assert_switched_both_ways_and_no_leak(server)
     assert_identical(reference["random"], got)
+    assert_step_modes_reported(got)
     text = log.read_text()
     assert "Non-overlap (synchronous) spec v2" not in text, "overlap was not in use"
     assert "torch gather_spec_extras in use" in text, "the overlap FutureMap relay never ran"

@@ -101,7 +101,7 @@ def test_a_setting_that_differs_on_one_rank_is_refused_on_both():
     message0, message1 = results[0][0], results[1][0]
     assert message0 == message1
     assert "--speculative-catch-up-tokens (environment variable SGLANG_DYNSPEC_CATCH_UP_TOKENS)" in message0
-    assert "rank 0: 32, rank 1: 64" in message0
+    assert f"rank 0: {config.DEFAULT_CATCH_UP_TOKENS}, rank 1: 64" in message0
 
 
 @pytest.mark.parametrize("same", [True, False])
