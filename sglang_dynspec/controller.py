@@ -55,18 +55,12 @@ class ModeController:
             raise ValueError(f"{type(policy).__name__} needs an EstimateFeed")
 
     def before_decode(
-        self,
-        batch_size: int,
-        accept_counters: Callable[[], AcceptCounters] | None = None,
-        plain_required: bool = False,
+        self, batch_size: int, accept_counters: Callable[[], AcceptCounters] | None = None
     ) -> Mode:
         """The mode of the decode step about to run (``batch_size``: its requests).
 
         ``accept_counters``: a callable giving each request's host accept counters
-        (called only when the policy measures acceptance). ``plain_required``: a
-        request of the batch must decode plain (``compat.needs_per_token_penalties``);
-        the step runs plain without consulting the policy, whose mode and dwell stay as
-        they were, so its decision applies again once no such request is left."""
+        (called only when the policy measures acceptance)."""
         self._readings.poll()
         if self._feed is not None:
             estimates = self._feed.before_decode(batch_size, accept_counters)
@@ -74,11 +68,6 @@ class ModeController:
                 self.policy.update(estimates)
                 for sink in self._sinks:
                     sink.on_estimates(estimates, batch_size)
-        if plain_required:
-            self.stats.plain_required_steps += 1
-            if self._feed is not None:
-                self._feed.after_decision(Mode.PLAIN, batch_size)
-            return Mode.PLAIN
         old = self.policy.mode
         mode = self.policy.decide(batch_size)
         if mode is not old:

@@ -65,7 +65,6 @@ class StepStats(TelemetrySink):
     resume_requests: int = 0
     resume_accepted_tokens: int = 0
     probe_steps: dict[Mode, int] = field(default_factory=lambda: dict.fromkeys(Mode, 0))
-    plain_required_steps: int = 0  # plain because a request needed it, not by the policy
 
     @property
     def total_decode_steps(self) -> int:

@@ -97,10 +97,7 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
                 batch, **compat.spec_forward_kwargs(on_publish, grammar_barrier, pp_proxy_tensors)
             )
         mode = self.controller.before_decode(
-            compat.decode_batch_size(batch),
-            lambda: compat.accept_counters(batch),
-            # Penalties mean per token only in plain steps (see compat): such batches decode plain.
-            plain_required=compat.needs_per_token_penalties(batch),
+            compat.decode_batch_size(batch), lambda: compat.accept_counters(batch)
         )
         self._last_step_plain = mode is Mode.PLAIN
         if mode is Mode.PLAIN:
