@@ -79,6 +79,10 @@ class GapRows:
     def num_tokens(self) -> int:
         return sum(self.gaps)
 
+    def last_positions(self) -> list[int]:
+        """Index of each request's last replayed position, request after request."""
+        return list(itertools.accumulate(self.gaps, initial=-1))[1:]
+
     def token_slots(self) -> list[int]:
         """The ``req_to_token`` row of each replayed position, request after request."""
         return list(itertools.chain.from_iterable([i] * g for i, g in zip(self.pool_indices, self.gaps)))
@@ -347,14 +351,10 @@ class DraftCatchUp:
     def nbytes(self) -> int:
         return self.log.nbytes
 
-    @staticmethod
-    def _pool_indices(batch: ScheduleBatch) -> list[int]:
-        return compat.request_pool_indices(batch.reqs)
-
     def before_plain_step(self, batch: ScheduleBatch) -> list[int]:
         """If some request's log is full, catch every gap of the batch up. Returns the
         batch's request slots, for ``record``."""
-        pool_indices = self._pool_indices(batch)
+        pool_indices = compat.request_pool_indices(batch.reqs)
         if self.log.is_full(pool_indices):
             self._catch_up_decode_batch(batch, pool_indices, "buffer_full")
         return pool_indices
@@ -372,7 +372,7 @@ class DraftCatchUp:
 
     def before_speculative_step(self, batch: ScheduleBatch) -> None:
         """Resume: replay the gaps and hand the speculative step fresh draft state."""
-        pool_indices = self._pool_indices(batch)
+        pool_indices = compat.request_pool_indices(batch.reqs)
         if any(self.log.gap[i] for i in pool_indices):
             self._catch_up_decode_batch(batch, pool_indices, "resume")
 
@@ -384,7 +384,7 @@ class DraftCatchUp:
         dropped."""
         decoding = {id(req) for req in (getattr(batch, "decoding_reqs", None) or ())}
         rows = [r for r, req in enumerate(batch.reqs) if id(req) in decoding]
-        pool_indices = self._pool_indices(batch)
+        pool_indices = compat.request_pool_indices(batch.reqs)
         if rows and batch.input_ids is not None:
             starts = list(itertools.accumulate(batch.extend_lens, initial=0))
             gap_rows = self.log.gap_rows(
@@ -427,9 +427,7 @@ class DraftCatchUp:
         hidden, tokens = self.log.gather(gap_rows)
         ext = build_catch_up_batch(batch, gap_rows, tokens, self.worker.req_to_token_pool.req_to_token)
         if reason == "buffer_full":
-            last_rows = to_device(
-                list(itertools.accumulate(gap_rows.gaps, initial=-1))[1:], torch.int64, tokens.device
-            )
+            last_rows = to_device(gap_rows.last_positions(), torch.int64, tokens.device)
             compat.fill_draft_kv(self.worker, ext, hidden, tails, last_rows)
             fresh = None
         else:

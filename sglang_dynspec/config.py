@@ -33,10 +33,9 @@ DEFAULT_MIN_DWELL_STEPS = 8
 # Positions per request the draft catch-up buffer holds (catch_up.py). Memory:
 # max running requests x this x (3 x hidden size x dtype bytes + 8), e.g. 24 KiB per
 # position for a Llama-3.1-8B target in bf16, so 0.4 GiB for 129 request slots.
-# 128 rather than 32: each flush has a fixed cost beyond its kernels, and positions
-# of requests that finish while plain are never replayed; on the Llama-3.2-3B shape
-# plain mode ran at 0.98x/1.1x the baseline at C=64/128 with 128 against 0.87x/0.83x
-# with 32 (benchmarks/results/h200-20261201-offstate-dev/).
+# 128 rather than 32: each flush costs the server more than its kernels, and the
+# positions of requests that finish while plain are never replayed; measured on the
+# H200 in benchmarks/results/h200-20261201-offstate-dev/.
 DEFAULT_CATCH_UP_TOKENS = 128
 MAX_CATCH_UP_TOKENS = 4096
 
