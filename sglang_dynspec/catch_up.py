@@ -42,7 +42,7 @@ import torch
 
 from sglang_dynspec import compat
 from sglang_dynspec.compat import ForwardMode, ScheduleBatch
-from sglang_dynspec.device_timer import DeviceTimer
+from sglang_dynspec.device_timer import DeviceTimer, HostCopy
 
 # Reports a queued catch-up: (reason, requests, tokens, timer) -> None
 # (``controller.ModeController.on_catch_up``).
@@ -93,7 +93,12 @@ class PlainGapLog:
 
     Host counters (``gap``) drive every decision, so no step needs a device sync; a
     device cursor (``_fill``) mirrors them and picks the column each plain step writes.
-    Both advance by exactly one per plain step of a request.
+    Both advance by exactly one per plain step of a request. A gap's first position
+    (the committed length when it started, ``start_gaps``) is copied to the host
+    behind the step that decodes it; every plain step commits exactly one position,
+    so the committed length at a catch-up is that start plus the gap, known on the
+    host without reading the device's ``seq_lens`` (under the overlap scheduler
+    SGLang keeps no host mirror of them for some attention backends).
     """
 
     def __init__(self, pool_size: int, capacity: int, hidden_width: int, hidden_dtype: torch.dtype, device):
@@ -108,6 +113,8 @@ class PlainGapLog:
         self.tokens = torch.zeros(pool_size, capacity, dtype=torch.int64, device=device)
         self._fill = torch.zeros(pool_size, dtype=torch.int64, device=device)
         self.gap = [0] * pool_size
+        # Per slot with a gap: (copy, index) of its gap's first position.
+        self._start: list[tuple[HostCopy, int] | None] = [None] * pool_size
 
     @property
     def nbytes(self) -> int:
@@ -123,6 +130,19 @@ class PlainGapLog:
         """True if recording one more plain step would overflow some request's buffer."""
         return bool(pool_indices) and max(map(self.gap.__getitem__, pool_indices)) >= self.capacity
 
+    def start_gaps(self, pool_indices: Sequence[int], positions: torch.Tensor) -> None:
+        """Note where the gaps of the slots without one start: ``positions[i]`` (device)
+        is the position request ``i`` is about to decode plain. Call before the step's
+        forward, so the copy runs behind the work already queued."""
+        new = [k for k, i in enumerate(pool_indices) if not self.gap[i]]
+        if not new:
+            return
+        if len(new) < len(pool_indices):
+            positions = positions[to_device(new, torch.int64, positions.device)]
+        copy = HostCopy(positions)
+        for j, k in enumerate(new):
+            self._start[pool_indices[k]] = (copy, j)
+
     def record(
         self,
         pool_indices: Sequence[int],
@@ -135,8 +155,10 @@ class PlainGapLog:
         if self.is_full(pool_indices):
             full = [i for i in pool_indices if self.gap[i] >= self.capacity]
             raise RuntimeError(f"request slots {full}: plain-step log full ({self.capacity} positions)")
-        gap = self.gap
+        gap, start = self.gap, self._start
         for i in pool_indices:
+            if start[i] is None:
+                raise RuntimeError(f"request slot {i}: plain step recorded without start_gaps")
             gap[i] += 1
         idx = pool_indices_device.long()
         col = self._fill[idx]
@@ -158,23 +180,26 @@ class PlainGapLog:
             pool_indices_device = to_device(pool_indices, torch.int64, self.device)
         for i in pool_indices:
             self.gap[i] = 0
+            self._start[i] = None
         # index_fill_, not ``_fill[idx] = 0``: assigning a Python scalar through an
         # index copies it from pageable host memory, a device sync at every prefill
         # and catch-up (found on the H200 by benchmarks/h200/sync_check.sh).
         self._fill.index_fill_(0, pool_indices_device.long(), 0)
 
-    def gap_rows(self, pool_indices: Sequence[int], committed_lens) -> GapRows:
-        """The rows with a gap; ``committed_lens`` is a sequence or a callable giving it
-        (called only when some row has a gap, as it may need a device sync)."""
+    def committed_len(self, slot: int) -> int:
+        """The committed length of a slot with a gap: its gap's start plus the gap."""
+        copy, index = self._start[slot]
+        return copy.read()[index] + self.gap[slot]
+
+    def gap_rows(self, pool_indices: Sequence[int], committed_lens: Sequence[int] | None = None) -> GapRows:
+        """The rows with a gap; ``committed_lens`` (by row) defaults to the log's own."""
         rows = [r for r, i in enumerate(pool_indices) if self.gap[i]]
-        if rows and callable(committed_lens):
-            committed_lens = committed_lens()
-        return GapRows(
-            rows=rows,
-            pool_indices=[pool_indices[r] for r in rows],
-            gaps=[self.gap[pool_indices[r]] for r in rows],
-            committed_lens=[int(committed_lens[r]) for r in rows],
-        )
+        slots = [pool_indices[r] for r in rows]
+        if committed_lens is None:
+            lens = [self.committed_len(i) for i in slots]
+        else:
+            lens = [int(committed_lens[r]) for r in rows]
+        return GapRows(rows=rows, pool_indices=slots, gaps=[self.gap[i] for i in slots], committed_lens=lens)
 
     def gather(self, gap_rows: GapRows):
         """# [num_tokens, width], [num_tokens]: the logged rows, request after request."""
@@ -357,6 +382,8 @@ class DraftCatchUp:
         pool_indices = compat.request_pool_indices(batch.reqs)
         if self.log.is_full(pool_indices):
             self._catch_up_decode_batch(batch, pool_indices, "buffer_full")
+        # The pending token of each request sits at position seq_lens (fresh_batch).
+        self.log.start_gaps(pool_indices, batch.seq_lens)
         return pool_indices
 
     def record(
@@ -401,13 +428,7 @@ class DraftCatchUp:
         self.log.forget(pool_indices, batch.req_pool_indices)
 
     def _catch_up_decode_batch(self, batch: ScheduleBatch, pool_indices: list[int], reason: str) -> None:
-        def committed_lens():
-            # The host mirror is exact when present; otherwise (backends that opt out
-            # of it, e.g. FA3 under overlap) one device sync per catch-up.
-            lens = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens.cpu()
-            return lens.tolist()
-
-        gap_rows = self.log.gap_rows(pool_indices, committed_lens)
+        gap_rows = self.log.gap_rows(pool_indices)
         if not len(gap_rows):
             return
         draft_input = batch.spec_info

@@ -1,4 +1,4 @@
-"""Device time of queued work, read without making the host wait.
+"""Device time and device values of queued work, read without making the host wait.
 
 The scheduler's host thread runs ahead of the device (under the overlap scheduler by
 a whole step); a ``synchronize`` or a blocking read on the hot path would drain that
@@ -99,3 +99,32 @@ def read_later(values: torch.Tensor, readings: DeferredReadings, on_done: Callab
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
     host.copy_(values, non_blocking=True)
     readings.add(DeviceTimer.marker(values.device), lambda _seconds: on_done(host.tolist()))
+
+
+class HostCopy:
+    """Device values copied to the host behind the work queued so far, read on demand.
+
+    On CUDA the copy goes into pinned memory with an event after it; ``read`` waits
+    for that event, which costs nothing once the work queued before the copy has
+    run (the catch-up reads a gap's start a step or more after copying it, and by
+    then the overlap scheduler has waited for that step's result itself). Elsewhere
+    the values are copied at once.
+    """
+
+    def __init__(self, values: torch.Tensor):
+        self._values: list | None = None
+        if values.device.type == "cuda":
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = values.clone()
+            self._event = None
+
+    def read(self) -> list:
+        if self._values is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._values = self._host.tolist()
+        return self._values

@@ -2,9 +2,10 @@
 
 * ``PlainGapLog`` against a pure-Python model, as a Hypothesis state machine:
   any sequence of plain steps (each over a random subset of request slots, with
-  random tokens and hidden rows), flushes and prefills; after each, the host gap
-  counters, the full check and ``gather`` (the rows the catch-up replays, in order)
-  match the model.
+  random tokens and hidden rows), speculative steps, flushes and prefills; after
+  each, the host gap counters, the full check, the committed lengths derived from
+  each gap's start and ``gather`` (the rows the catch-up replays, in order) match
+  the model.
 * ``build_catch_up_batch`` on real SGLang ``ScheduleBatch`` objects (the builder of
   ``schedule_batches``): an EXTEND batch over exactly the gap positions of the
   chosen requests (prefix ``L - g``, extend ``g``, the KV slots the target wrote
@@ -39,6 +40,7 @@ class PlainGapLogMachine(RuleBasedStateMachine):
         super().__init__()
         self.log = PlainGapLog(POOL, CAPACITY, WIDTH, torch.float32, "cpu")
         self.model = {slot: [] for slot in range(POOL)}
+        self.committed = {slot: 10 * slot for slot in range(POOL)}  # KV-committed length
         self.counter = 0
 
     @rule(slots=st.sets(st.integers(0, POOL - 1), min_size=1).map(sorted), data=st.data())
@@ -56,9 +58,12 @@ class PlainGapLogMachine(RuleBasedStateMachine):
         tokens = torch.arange(self.counter, self.counter + len(slots))
         hidden = torch.randn(len(slots), WIDTH)
         self.counter += len(slots)
+        # Each request decodes the position at its committed length (the worker passes seq_lens).
+        self.log.start_gaps(slots, torch.tensor([self.committed[s] for s in slots]))
         self.log.record(slots, torch.tensor(slots), tokens, hidden)
         for k, slot in enumerate(slots):
             self.model[slot].append((int(tokens[k]), hidden[k].clone()))
+            self.committed[slot] += 1
 
     def flush(self, slots):
         self.log.forget(slots)
@@ -69,10 +74,11 @@ class PlainGapLogMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def catch_up(self, data):
         slots = data.draw(st.sets(st.sampled_from(range(POOL)), min_size=1).map(sorted), label="batch")
-        rows = self.log.gap_rows(slots, [100 + s for s in slots])
+        rows = self.log.gap_rows(slots)
         assert rows.pool_indices == [s for s in slots if self.model[s]]
         assert rows.gaps == [len(self.model[s]) for s in rows.pool_indices]
-        assert rows.committed_lens == [100 + s for s in rows.pool_indices]
+        # Known on the host from the gap's start, without reading the device's seq_lens.
+        assert rows.committed_lens == [self.committed[s] for s in rows.pool_indices]
         hidden, tokens = self.log.gather(rows)
         expected = [entry for s in rows.pool_indices for entry in self.model[s]]
         assert tokens.tolist() == [t for t, _ in expected]
@@ -80,12 +86,23 @@ class PlainGapLogMachine(RuleBasedStateMachine):
             assert torch.equal(hidden, torch.stack([h for _, h in expected]))
         self.flush(rows.pool_indices)
 
-    @rule(slots=st.sets(st.integers(0, POOL - 1), min_size=1).map(sorted), device_indices=st.booleans())
-    def prefill(self, slots, device_indices):
+    @rule(
+        slots=st.sets(st.integers(0, POOL - 1), min_size=1).map(sorted),
+        device_indices=st.booleans(),
+        prompt=st.integers(1, 50),
+    )
+    def prefill(self, slots, device_indices, prompt):
         # A prefill drops whatever an earlier owner of the slot left.
         self.log.forget(slots, torch.tensor(slots) if device_indices else None)
         for slot in slots:
             self.model[slot] = []
+            self.committed[slot] = prompt
+
+    @rule(data=st.data())
+    def speculative_step(self, data):
+        # Slots without a gap speculate: each commits 1 to 4 positions, unseen by the log.
+        for slot in (s for s in range(POOL) if not self.model[s]):
+            self.committed[slot] += data.draw(st.integers(1, 4), label=f"accepted by slot {slot}")
 
     @invariant()
     def counters_match(self):
@@ -102,15 +119,18 @@ def test_capacity_must_be_positive():
         PlainGapLog(2, 0, 4, torch.float32, "cpu")
 
 
-def test_gap_rows_reads_lengths_only_when_a_gap_exists():
+def test_recording_needs_the_gap_start():
     log = PlainGapLog(3, 2, 1, torch.float32, "cpu")
+    with pytest.raises(RuntimeError, match="start_gaps"):
+        log.record([1], torch.tensor([1]), torch.tensor([7]), torch.zeros(1, 1))
 
-    def no_sync():
-        raise AssertionError("committed lengths read although no request has a gap")
 
-    assert len(log.gap_rows([0, 1, 2], no_sync)) == 0
+def test_given_lengths_override_the_logs_own():
+    log = PlainGapLog(3, 2, 1, torch.float32, "cpu")
+    log.start_gaps([1], torch.tensor([40]))
     log.record([1], torch.tensor([1]), torch.tensor([7]), torch.zeros(1, 1))
-    assert log.gap_rows([0, 1, 2], lambda: [10, 11, 12]).committed_lens == [11]
+    assert log.gap_rows([0, 1, 2]).committed_lens == [41]
+    assert log.gap_rows([0, 1, 2], [10, 11, 12]).committed_lens == [11]
 
 
 # ------------------------------------------------------------------ catch-up batch

@@ -190,6 +190,9 @@ def test_draft_kv_after_catch_up_equals_always_speculating(
     [report] = load_reports(reads)
     assert report["steps"] >= 16 and report["violations"] == {}, report
     assert report["reads"].get("fresh_batch.py:build_plain_decode_batch:__int__", 0) >= 1, report
+    # Each catch-up took its committed lengths from the gaps' starts (copied to the host
+    # behind the step that decoded them), not from the device's seq_lens.
+    assert report["reads"].get("device_timer.py:read:tolist", 0) >= 1, report
     # (The server's own warm-up request is dumped too and compared like the others.)
     assert set(kv) == set(reference_kv)
     assert sum(is_long(t) for t in kv) == len(LONG) and sum(started_as(t, SHORT) for t in kv) == len(SHORT)
