@@ -18,6 +18,11 @@
   (``--speculative-num-steps 1``). Unlike the agree pair, the right proposal
   depends on the position, so a draft that resumes from stale state proposes a
   wrong token: the pair shows whether the draft state is current.
+* ``DIR/target-update``: a weight update for ``target`` (for
+  ``/update_weights_from_disk``): new random weights for decoder layers 1 and up
+  only. SGLang loads an update's path into the EAGLE draft as well; the draft has
+  one layer (``layers.0``) and skips names it lacks, so this checkpoint changes
+  the target and leaves the draft as it was.
 
 All weights are float32: the tests compare SGLang's greedy output with HF
 transformers token for token, and bf16 near-ties flip tokens between kernels.
@@ -43,10 +48,11 @@ if TYPE_CHECKING:
 
 TARGET, DRAFT, TARGET_AGREE, DRAFT_AGREE = "target", "draft", "target-agree", "draft-agree"
 TARGET_COUNT, DRAFT_COUNT = "target-count", "draft-count"
-MODEL_NAMES = (TARGET, DRAFT, TARGET_AGREE, DRAFT_AGREE, TARGET_COUNT, DRAFT_COUNT)
+TARGET_UPDATE = "target-update"
+MODEL_NAMES = (TARGET, DRAFT, TARGET_AGREE, DRAFT_AGREE, TARGET_COUNT, DRAFT_COUNT, TARGET_UPDATE)
 
 # Bump when anything below changes, so existing test-bed directories are rebuilt.
-BUILD_VERSION = "2"
+BUILD_VERSION = "3"
 MARKER_FILE = ".testbed-models-complete"
 SEED = 0
 
@@ -113,6 +119,7 @@ def build_models(root) -> dict[str, Path]:
     target.load_state_dict(_count_target_weights(target.state_dict(), embeddings))
     _save_target(target, tokenizer, paths[TARGET_COUNT])
     _save_draft(_count_draft_weights(draft_weights, embeddings), draft_config, tokenizer, paths[DRAFT_COUNT])
+    _save_weight_update(paths[TARGET], paths[TARGET_UPDATE])
 
     marker.write_text(BUILD_VERSION)
     return paths
@@ -192,6 +199,23 @@ def _random_target(tokenizer) -> "LlamaForCausalLM":
 def _save_target(model: "LlamaForCausalLM", tokenizer, path: Path) -> None:
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
+
+
+def _save_weight_update(target: Path, path: Path) -> None:
+    """``target``'s config and tokenizer, and new weights for its layers 1 and up."""
+    from safetensors.torch import load_file, save_file
+
+    generator = torch.Generator().manual_seed(SEED + 1)
+    weights = load_file(str(target / "model.safetensors"))
+    update = {
+        name: torch.randn(w.shape, generator=generator, dtype=w.dtype) * w.std() if w.dim() > 1 else w
+        for name, w in weights.items()
+        if name.startswith("model.layers.") and not name.startswith("model.layers.0.")
+    }
+    save_file(update, str(path / "model.safetensors"), metadata={"format": "pt"})
+    for item in target.iterdir():
+        if item.is_file() and item.suffix != ".safetensors":
+            shutil.copy(item, path / item.name)
 
 
 def _draft_config(tokenizer) -> "LlamaConfig":

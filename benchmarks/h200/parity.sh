@@ -1,0 +1,57 @@
+#!/bin/bash
+# Issue 11: GPU output parity on the H200 (SGLang 0.5.17, CUDA graphs, bf16, the test
+# bed's tiny random-weight pair built here). Every server runs with
+# --enable-deterministic-inference. Servers: the non-speculative baseline (serving the
+# workload twice: in waves, and all at once as a control of batch invariance), then
+# EAGLE3_DYNAMIC (threshold 8, no dwell) with the overlap scheduler and with the
+# synchronous one, each with per-request step modes on (SGLANG_DYNSPEC_REQUEST_MODES=1).
+# Then each server loads new weights for the target (the test bed's target-update, with
+# /update_weights_from_disk; the dynamic servers first without recapturing CUDA graphs, then
+# the same weights again with recapture) and serves the workload again: plain-only requests
+# after the update must equal the updated baseline's, so plain steps read the new weights.
+# benchmarks/h200/parity.py sends the requests and compares; its JSON lines are the result.
+# Usage (device, repo root, after installing .whl/setuptools into /tmp/site):
+#   bash benchmarks/h200/parity.sh
+set -u
+source .gpu/device-env.sh || exit 1
+python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site ./testbed \
+  > /tmp/testbed-install.log 2>&1 || { tail -20 /tmp/testbed-install.log; exit 1; }
+M=/tmp/tiny-models
+python3 -m dynspec_testbed.models "$M" > /dev/null || exit 1
+export MODEL=$M/target
+source benchmarks/h200/lib.sh
+TINY=(--load-format auto --dtype bfloat16 --enable-deterministic-inference)
+DYNAMIC=(--speculative-algorithm EAGLE3_DYNAMIC --speculative-draft-model-path "$M/draft"
+  --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4
+  --speculative-disable-batch-threshold 8 --speculative-min-dwell-steps 0 --enable-metrics)
+P=benchmarks/h200/parity.py
+metrics() { curl -s "$URL/metrics" | grep -E "spec_dynamic_(decode_steps|switches|catch_ups|plain_graph_steps)_total" | grep -v "^#"; }
+
+start_server baseline "${TINY[@]}" || exit 1
+python3 $P run "$URL" "$OUT/baseline.json" && python3 $P run "$URL" "$OUT/baseline-at-once.json" --waves 200
+python3 $P update "$URL" "$M/target-update" && python3 $P run "$URL" "$OUT/baseline-updated.json"
+stop_server
+python3 $P compare "$OUT/baseline.json" "$OUT/baseline-at-once.json" --label "baseline, other arrivals"
+python3 $P compare "$OUT/baseline.json" "$OUT/baseline-updated.json" --label "baseline, before/after update" \
+  && echo '{"error": "the weight update changed no output"}'
+
+status=0
+for sched in overlap sync; do
+  extra=(); [ "$sched" = sync ] && extra=(--disable-overlap-schedule)
+  SGLANG_DYNSPEC_REQUEST_MODES=1 start_server "dynamic-$sched" "${TINY[@]}" "${DYNAMIC[@]}" "${extra[@]}" || exit 1
+  python3 $P run "$URL" "$OUT/dynamic-$sched.json"
+  metrics | tee "$OUT/metrics-dynamic-$sched.txt"
+  python3 $P update "$URL" "$M/target-update" && python3 $P run "$URL" "$OUT/dynamic-$sched-updated.json"
+  metrics | tee "$OUT/metrics-dynamic-$sched-updated.txt"
+  python3 $P update "$URL" "$M/target-update" --recapture && python3 $P run "$URL" "$OUT/dynamic-$sched-recaptured.json"
+  metrics | tee "$OUT/metrics-dynamic-$sched-recaptured.txt"
+  stop_server
+  python3 $P compare "$OUT/baseline.json" "$OUT/dynamic-$sched.json" --modes --label "EAGLE3_DYNAMIC, $sched" \
+    || status=1
+  for phase in updated recaptured; do
+    python3 $P compare "$OUT/baseline-updated.json" "$OUT/dynamic-$sched-$phase.json" --modes \
+      --label "EAGLE3_DYNAMIC, $sched, $phase weights" || status=1
+  done
+  grep -E "Traceback|Error" "$OUT/server_dynamic-$sched.log" | head -5
+done
+exit $status
