@@ -31,6 +31,7 @@ No CUDA graph capture, no result shaping and no timers here (``plain_graph``,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import operator
@@ -50,6 +51,7 @@ from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 from sglang.srt.model_executor.runner.base_runner import BaseRunner
 from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -185,7 +187,8 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
         ),
     ),
     HostSymbols(
-        EagleDraftWorker, ("_draft_extend_for_prefill", "draft_runner", "parallel_layout|draft_tp_context")
+        EagleDraftWorker,
+        ("_draft_extend_for_prefill", "draft_runner", "draft_runners", "parallel_layout|draft_tp_context"),
     ),
     HostSymbols(
         eagle_worker_v2,
@@ -203,6 +206,9 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
         ModelRunner,
         (
             "decode_cuda_graph_runner",
+            "eager_runner?",
+            "is_draft_worker",
+            "recapture_decode_cuda_graph?",  # 0.5.23's fix that keep_draft_graphs_on_recapture backports
             "weight_updater",
             "attn_backend",
             "spec_algorithm",
@@ -215,6 +221,7 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
             "shared_read_done_event|war_fastpath_read_done_event",
         ),
     ),
+    HostSymbols(WeightUpdater, ("recapture_cuda_graph",)),
     HostSymbols(ModelConfig, ("dtype",)),
     HostSymbols(BaseRunner, ("return_hidden_states_mode",)),
     HostSymbols(DecodeCudaGraphRunner, ("max_bs",)),
@@ -348,6 +355,13 @@ _NEW_WAR_NAMES = hasattr(EAGLEWorkerV2, "last_shared_read_runner")
 # barrier waits on, and the model-runner attribute holding that event.
 WAR_RUNNER_PROPERTY = "last_shared_read_runner" if _NEW_WAR_NAMES else "war_fastpath_runner"
 READ_DONE_EVENT = "shared_read_done_event" if _NEW_WAR_NAMES else "war_fastpath_read_done_event"
+# SGLang 0.5.17 recaptures every runner's decode graph on
+# update_weights_from_disk(recapture_cuda_graph=True), the EAGLE draft's too, and
+# that capture raises for a draft runner (decode_cuda_graph_runner.py:277, "This
+# should not happen"), killing the scheduler (benchmarks/results/h200-20261201-parity/).
+# 0.5.23 skips draft runners that own no decode graph
+# (ModelRunner.recapture_decode_cuda_graph).
+_DRAFT_RECAPTURE_SKIPPED_UPSTREAM = hasattr(ModelRunner, "recapture_decode_cuda_graph")
 # ScheduleBatch fields the catch-up batch sets only where the installed version has them.
 OPTIONAL_BATCH_FIELDS = frozenset(
     name
@@ -359,6 +373,32 @@ OPTIONAL_BATCH_FIELDS = frozenset(
     )
     if name in ScheduleBatch.__dataclass_fields__
 )
+
+
+def keep_draft_graphs_on_recapture(spec_worker) -> int:
+    """Backport 0.5.23's recapture rule to the draft runners: a weight update with
+    ``recapture_cuda_graph=True`` recaptures a draft runner's decode graph only if it
+    owns one. Returns how many runners' updaters were changed (0 where SGLang has it)."""
+    if _DRAFT_RECAPTURE_SKIPPED_UPSTREAM:
+        return 0
+    changed = 0
+    for runner in spec_worker.draft_worker.draft_runners:
+        updater = runner.weight_updater
+        recapture = _recapture_if_owning_decode_graph(runner, updater.recapture_cuda_graph)
+        # WeightUpdater is a frozen dataclass on 0.5.17: a copy with the one field replaced.
+        runner.weight_updater = dataclasses.replace(updater, recapture_cuda_graph=recapture)
+        changed += 1
+    return changed
+
+
+def _recapture_if_owning_decode_graph(runner, recapture: Callable[[], None]) -> Callable[[], None]:
+    def recapture_decode_graph() -> None:
+        graph = runner.decode_cuda_graph_runner
+        if runner.is_draft_worker and (graph is None or graph is getattr(runner, "eager_runner", None)):
+            return
+        recapture()
+
+    return recapture_decode_graph
 
 
 def spec_forward_kwargs(on_publish, grammar_barrier, pp_proxy_tensors) -> dict:

@@ -82,6 +82,7 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
                 free_memory_note(self.device),
             )
         super().init_cuda_graphs()
+        compat.keep_draft_graphs_on_recapture(self)
         if self.settings.plain_cuda_graph:
             self.plain_graphs = PlainGraphKeeper(
                 self.target_worker.model_runner, capture_hidden=self.catch_up.enabled

@@ -145,3 +145,54 @@ def test_without_cuda_graphs_nothing_is_wrapped():
     runner = types.SimpleNamespace(weight_updater=inner)
     keeper = PlainGraphKeeper(runner, capture_hidden=False, capture=lambda r, capture_hidden: None)
     assert keeper.graph is None and runner.weight_updater is inner
+
+
+def real_weight_updater(recapture):
+    """SGLang's own (frozen) WeightUpdater with stand-in callables."""
+    return compat.WeightUpdater(
+        tp_rank=0,
+        device="cuda",
+        gpu_id=0,
+        model_config=None,
+        custom_weight_loaders={},
+        get_model=lambda: None,
+        update_model_fields=lambda *a, **k: None,
+        recapture_cuda_graph=recapture,
+        get_model_runner=lambda: None,
+    )
+
+
+@pytest.mark.parametrize(
+    "is_draft, graph, recaptures",
+    [
+        (True, None, False),  # an EAGLE draft runner: its graphs are the draft worker's own
+        (True, "eager", False),  # the eager runner in place of a decode graph: same
+        (True, "graph", True),  # a draft that owns a decode graph recaptures it
+        (False, None, True),  # a target always recaptures
+    ],
+)
+def test_draft_runners_recapture_only_a_decode_graph_they_own(monkeypatch, is_draft, graph, recaptures):
+    """SGLang 0.5.17 recaptures a draft runner's decode graph on an update with
+    recapture_cuda_graph=True and crashes; the backport applies 0.5.23's rule."""
+    monkeypatch.setattr(compat, "_DRAFT_RECAPTURE_SKIPPED_UPSTREAM", False)
+    calls = []
+    runner = types.SimpleNamespace(
+        is_draft_worker=is_draft,
+        eager_runner="eager",
+        decode_cuda_graph_runner=graph,
+        weight_updater=real_weight_updater(lambda: calls.append("recaptured")),
+    )
+    worker = types.SimpleNamespace(draft_worker=types.SimpleNamespace(draft_runners=[runner]))
+
+    assert compat.keep_draft_graphs_on_recapture(worker) == 1
+    assert isinstance(runner.weight_updater, compat.WeightUpdater) and runner.weight_updater.tp_rank == 0
+    runner.weight_updater.recapture_cuda_graph()
+    assert calls == (["recaptured"] if recaptures else [])
+
+
+def test_no_backport_where_sglang_skips_graphless_drafts(monkeypatch):
+    monkeypatch.setattr(compat, "_DRAFT_RECAPTURE_SKIPPED_UPSTREAM", True)
+    updater = real_weight_updater(lambda: None)
+    runner = types.SimpleNamespace(weight_updater=updater)
+    worker = types.SimpleNamespace(draft_worker=types.SimpleNamespace(draft_runners=[runner]))
+    assert compat.keep_draft_graphs_on_recapture(worker) == 0 and runner.weight_updater is updater
