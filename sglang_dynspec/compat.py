@@ -55,6 +55,7 @@ from sglang.srt.model_executor.model_runner_components.weight_updater import Wei
 from sglang.srt.model_executor.runner.base_runner import BaseRunner
 from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang.srt.sampling.penaltylib import BatchedPenalizerOrchestrator
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative import eagle_utils, eagle_worker_v2, spec_registry
@@ -93,6 +94,7 @@ __all__ = [
     "is_registered",
     "metrics_enabled",
     "missing_host_symbols",
+    "needs_per_token_penalties",
     "new_attention_backend",
     "new_future_map",
     "pending_tokens",
@@ -273,8 +275,20 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
     HostSymbols(ReqToTokenPool, ("req_to_token",)),
     HostSymbols(
         SamplingBatchInfo,
-        ("temperatures", "top_ps", "top_ks", "min_ps", "sampling_seed", "grammars", "need_min_p_sampling"),
+        (
+            "temperatures",
+            "top_ps",
+            "top_ks",
+            "min_ps",
+            "sampling_seed",
+            "grammars",
+            "need_min_p_sampling",
+            "penalizer_orchestrator",
+            "acc_additive_penalties",
+            "acc_scaling_penalties",
+        ),
     ),
+    HostSymbols(BatchedPenalizerOrchestrator, ("is_required",)),
     # Results and the speculative state carried between steps (plain_step.py).
     HostSymbols(
         EagleDraftInput,
@@ -524,6 +538,27 @@ def is_idle_step(batch: ScheduleBatch) -> bool:
 def decode_batch_size(batch: ScheduleBatch) -> int:
     """Requests in the decode batch: ``len(batch.reqs)``, identical on every TP rank."""
     return len(batch.reqs)
+
+
+def needs_per_token_penalties(batch: ScheduleBatch) -> bool:
+    """True if a request of ``batch`` uses frequency, presence or repetition penalties.
+
+    SGLang's EAGLE verify applies the penalties accumulated before the step to every
+    drafted position ("a relaxed version of penalties for speculative decoding",
+    ``eagle_utils.eagle_sample``), so the tokens accepted within one speculative step
+    do not penalise each other; a plain step applies them per token, as a
+    non-speculative server does. Host state, identical on every TP rank: the batch a
+    worker gets carries the penalties accumulated for the forward
+    (``SamplingBatchInfo.copy_for_forward`` drops the orchestrator), set exactly when a
+    request needs them.
+    """
+    info = batch.sampling_info
+    if info is None:
+        return False
+    if info.acc_additive_penalties is not None or info.acc_scaling_penalties is not None:
+        return True
+    orchestrator = info.penalizer_orchestrator
+    return bool(orchestrator is not None and orchestrator.is_required)
 
 
 def pending_tokens(draft_input: EagleDraftInput):

@@ -1,4 +1,4 @@
-"""The plugin's settings: four flags, their environment variables, defaults and checks.
+"""The plugin's settings: six flags, their environment variables, defaults and checks.
 
 Pure Python (no torch, no SGLang), so every message can be unit-tested.
 
@@ -102,7 +102,19 @@ POLICY = Flag(
     f"is a hard upper bound). Default {DEFAULT_POLICY}.",
     choices=POLICIES,
 )
-FLAGS = (POLICY, DISABLE_THRESHOLD, ENABLE_THRESHOLD, MIN_DWELL, CATCH_UP_TOKENS)
+PENALTY_MODES = ("exact", "relaxed")
+DEFAULT_PENALTIES = "exact"
+PENALTIES = Flag(
+    "--speculative-penalties",
+    "SGLANG_DYNSPEC_PENALTIES",
+    f"{ALGORITHM_NAME}: frequency, presence and repetition penalties. exact: a decode batch "
+    "with a penalised request decodes plain, so penalties count every generated token, as "
+    "on a non-speculative server; relaxed: such batches speculate when the policy says so, "
+    "and a speculative step applies the penalties as EAGLE-3 does (accumulated once per "
+    f"step, from its last token). Default {DEFAULT_PENALTIES}.",
+    choices=PENALTY_MODES,
+)
+FLAGS = (POLICY, DISABLE_THRESHOLD, ENABLE_THRESHOLD, MIN_DWELL, CATCH_UP_TOKENS, PENALTIES)
 SIMULATED_ACCEPTANCE_ENV = "SGLANG_SIMULATE_ACC_LEN"  # SGLang's own benchmark switch
 
 
@@ -195,6 +207,7 @@ class Settings:
     thresholds: SwitchThresholds
     speculation_bound: int | None  # goodput: the disable threshold when given explicitly
     catch_up_tokens: int  # 0: no draft catch-up
+    penalties: str  # one of PENALTY_MODES
     plain_cuda_graph: bool  # False: plain steps run eagerly (saves the graph's memory)
     request_modes: bool  # True: per-request step modes in meta_info (REQUEST_MODES_KEY)
     simulated_acceptance: float | None  # SGLANG_SIMULATE_ACC_LEN, benchmarks only
@@ -206,6 +219,7 @@ _SETTING_SOURCES = {
     "thresholds": f"{DISABLE_THRESHOLD.option} / {ENABLE_THRESHOLD.option} / {MIN_DWELL.option}",
     "speculation_bound": DISABLE_THRESHOLD.describe(),
     "catch_up_tokens": CATCH_UP_TOKENS.describe(),
+    "penalties": PENALTIES.describe(),
     "plain_cuda_graph": PLAIN_CUDA_GRAPH_ENV,
     "request_modes": REQUEST_MODES_ENV,
     "simulated_acceptance": SIMULATED_ACCEPTANCE_ENV,
@@ -232,13 +246,21 @@ def settings_disagreement(per_rank: list[Settings]) -> str | None:
     )
 
 
-def policy_from_environ(environ: Mapping[str, str] = os.environ) -> str:
-    raw = environ.get(POLICY.env, "").strip().lower()
+def _read_choice(flag: Flag, default: str, environ: Mapping[str, str]) -> str:
+    raw = environ.get(flag.env, "").strip().lower()
     if raw == "":
-        return DEFAULT_POLICY
-    if raw not in POLICIES:
-        raise ConfigError(f"{POLICY.describe()} must be one of {', '.join(POLICIES)}, got {raw!r}")
+        return default
+    if raw not in flag.choices:
+        raise ConfigError(f"{flag.describe()} must be one of {', '.join(flag.choices)}, got {raw!r}")
     return raw
+
+
+def policy_from_environ(environ: Mapping[str, str] = os.environ) -> str:
+    return _read_choice(POLICY, DEFAULT_POLICY, environ)
+
+
+def penalties_from_environ(environ: Mapping[str, str] = os.environ) -> str:
+    return _read_choice(PENALTIES, DEFAULT_PENALTIES, environ)
 
 
 def simulated_acceptance_from_environ(environ: Mapping[str, str] = os.environ) -> float | None:
@@ -278,6 +300,7 @@ def settings_from_environ(environ: Mapping[str, str] = os.environ) -> Settings:
         else _default_thresholds(environ),
         speculation_bound=bound,
         catch_up_tokens=catch_up_tokens_from_environ(environ),
+        penalties=penalties_from_environ(environ),
         plain_cuda_graph=env_bool(PLAIN_CUDA_GRAPH_ENV, True, environ),
         request_modes=env_bool(REQUEST_MODES_ENV, False, environ),
         simulated_acceptance=simulated_acceptance_from_environ(environ),

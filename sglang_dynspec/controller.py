@@ -55,12 +55,18 @@ class ModeController:
             raise ValueError(f"{type(policy).__name__} needs an EstimateFeed")
 
     def before_decode(
-        self, batch_size: int, accept_counters: Callable[[], AcceptCounters] | None = None
+        self,
+        batch_size: int,
+        accept_counters: Callable[[], AcceptCounters] | None = None,
+        plain_required: bool = False,
     ) -> Mode:
         """The mode of the decode step about to run (``batch_size``: its requests).
 
         ``accept_counters``: a callable giving each request's host accept counters
-        (called only when the policy measures acceptance)."""
+        (called only when the policy measures acceptance). ``plain_required``: a
+        request of the batch must decode plain (``compat.needs_per_token_penalties``);
+        the step runs plain without consulting the policy, whose mode and dwell stay as
+        they were, so its decision applies again once no such request is left."""
         self._readings.poll()
         if self._feed is not None:
             estimates = self._feed.before_decode(batch_size, accept_counters)
@@ -68,6 +74,12 @@ class ModeController:
                 self.policy.update(estimates)
                 for sink in self._sinks:
                     sink.on_estimates(estimates, batch_size)
+        if plain_required:
+            for sink in self._sinks:
+                sink.on_penalty_plain_step()
+            if self._feed is not None:
+                self._feed.after_decision(Mode.PLAIN, batch_size)
+            return Mode.PLAIN
         old = self.policy.mode
         mode = self.policy.decide(batch_size)
         if mode is not old:

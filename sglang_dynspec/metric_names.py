@@ -22,6 +22,7 @@ ACCEPTANCE_GAUGE = "sglang:spec_dynamic_acceptance"  # label "source": measured 
 PREDICTED_GAUGE = "sglang:spec_dynamic_predicted_tokens_per_second"  # label "mode", at the current batch
 STEP_SECONDS_GAUGE = "sglang:spec_dynamic_step_seconds"  # labels "mode", "batch_max" (a bucket's upper edge)
 PROBE_STEPS_COUNTER = "sglang:spec_dynamic_probe_steps"  # label "mode"
+PENALTY_PLAIN_COUNTER = "sglang:spec_dynamic_penalty_plain_steps"
 
 # Label values.
 MODES = ("spec", "plain")  # label "mode" of STEPS_COUNTER, "to" of SWITCHES_COUNTER
@@ -58,6 +59,10 @@ HELP = {
     PROBE_STEPS_COUNTER: (
         "EAGLE3_DYNAMIC goodput policy: decode steps run in a mode only to measure it (probes), "
         "by mode: the cost of keeping the estimates current."
+    ),
+    PENALTY_PLAIN_COUNTER: (
+        "Decode steps EAGLE3_DYNAMIC ran plain, whatever its policy said, because a request of "
+        "the batch has frequency, presence or repetition penalties (--speculative-penalties exact)."
     ),
     STEP_SECONDS_GAUGE: (
         "EAGLE3_DYNAMIC goodput policy: measured seconds per decode step, by mode and batch-size "

@@ -90,6 +90,7 @@ class PrometheusExport(TelemetrySink):
                 registry=registry,
             )
 
+        self._penalty_plain_steps = counter(names.PENALTY_PLAIN_COUNTER).labels(**labels)
         probes = counter(names.PROBE_STEPS_COUNTER, "mode")
         self._probe_steps = {m: probes.labels(**labels, mode=m.value) for m in Mode}
         self._acceptance = gauge(names.ACCEPTANCE_GAUGE, ["source"])
@@ -116,6 +117,9 @@ class PrometheusExport(TelemetrySink):
     def on_resume_step(self, accept_lens: Sequence[int]) -> None:
         self._resume_accepted.inc(sum(accept_lens))
         self._resume_requests.inc(len(accept_lens))
+
+    def on_penalty_plain_step(self) -> None:
+        self._penalty_plain_steps.inc()
 
     def on_probe_step(self, mode: Mode) -> None:
         self._probe_steps[mode].inc()

@@ -46,6 +46,10 @@ class TelemetrySink:
         """The goodput policy got new agreed estimates (``goodput.Estimates``) at a decode
         step of ``batch_size`` requests."""
 
+    def on_penalty_plain_step(self) -> None:
+        """The decode step about to run is plain because a request needs per-token
+        penalties (``--speculative-penalties exact``), not by the policy."""
+
     def on_probe_step(self, mode: Mode) -> None:
         """The decode step just run was part of a probe (the policy measuring ``mode``)."""
 
@@ -65,6 +69,7 @@ class StepStats(TelemetrySink):
     resume_requests: int = 0
     resume_accepted_tokens: int = 0
     probe_steps: dict[Mode, int] = field(default_factory=lambda: dict.fromkeys(Mode, 0))
+    penalty_plain_steps: int = 0  # plain because a request needs per-token penalties
 
     @property
     def total_decode_steps(self) -> int:
@@ -76,6 +81,9 @@ class StepStats(TelemetrySink):
 
     def on_switch(self, switch: Switch, steps_before: Mapping[Mode, int]) -> None:
         self.switches[switch.new] += 1
+
+    def on_penalty_plain_step(self) -> None:
+        self.penalty_plain_steps += 1
 
     def on_probe_step(self, mode: Mode) -> None:
         self.probe_steps[mode] += 1

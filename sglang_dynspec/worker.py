@@ -52,11 +52,14 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
         self.catch_up = NoCatchUp()  # allocated in init_cuda_graphs, once the KV pools exist
         self.plain_graphs = None  # PlainGraphKeeper, from init_cuda_graphs; None: eager plain steps
         self._last_step_plain = False
+        self._exact_penalties = self.settings.penalties == "exact"
         if first_rank:
             logger.info(
-                "[sglang-dynspec] EAGLE3_DYNAMIC: %s; draft catch-up buffer %d positions per request (SGLang %s)",
+                "[sglang-dynspec] EAGLE3_DYNAMIC: %s; draft catch-up buffer %d positions per request; "
+                "penalties %s (SGLang %s)",
                 self.controller.policy.describe(),
                 self.settings.catch_up_tokens,
+                self.settings.penalties,
                 compat.SGLANG_VERSION,
             )
             if self.controller.policy.needs_estimates and self.settings.simulated_acceptance is not None:
@@ -98,7 +101,10 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
                 batch, **compat.spec_forward_kwargs(on_publish, grammar_barrier, pp_proxy_tensors)
             )
         mode = self.controller.before_decode(
-            compat.decode_batch_size(batch), lambda: compat.accept_counters(batch)
+            compat.decode_batch_size(batch),
+            lambda: compat.accept_counters(batch),
+            # Penalties count every token only in plain steps (compat.needs_per_token_penalties).
+            plain_required=self._exact_penalties and compat.needs_per_token_penalties(batch),
         )
         self._last_step_plain = mode is Mode.PLAIN
         if mode is Mode.PLAIN:

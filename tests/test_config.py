@@ -148,3 +148,23 @@ def test_request_modes_are_off_unless_asked(raw, expected):
 def test_request_modes_value_is_checked():
     with pytest.raises(config.ConfigError, match=config.REQUEST_MODES_ENV):
         config.settings_from_environ({config.REQUEST_MODES_ENV: "maybe"})
+
+
+@pytest.mark.parametrize("raw, expected", [(None, "exact"), ("exact", "exact"), ("Relaxed", "relaxed")])
+def test_penalties_default_to_exact(raw, expected):
+    environ = {} if raw is None else {config.PENALTIES.env: raw}
+    assert config.settings_from_environ(environ).penalties == expected
+
+
+def test_bad_penalties_value_names_the_flag_and_the_choices():
+    with pytest.raises(
+        ConfigError, match=r"--speculative-penalties .*must be one of exact, relaxed, got 'strict'"
+    ):
+        config.settings_from_environ({config.PENALTIES.env: "strict"})
+
+
+def test_penalties_that_differ_between_ranks_are_named():
+    exact = config.settings_from_environ({})
+    relaxed = config.settings_from_environ({config.PENALTIES.env: "relaxed"})
+    message = config.settings_disagreement([exact, relaxed])
+    assert "--speculative-penalties" in message and "rank 0: exact, rank 1: relaxed" in message

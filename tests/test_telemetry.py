@@ -110,3 +110,21 @@ def test_prometheus_series_follow_the_steps():
     assert value(names.CATCH_UP_SECONDS + "_sum") == 1.0
     assert value(names.total(names.RESUME_ACCEPTED_COUNTER)) == 1
     assert value(names.total(names.RESUME_REQUESTS_COUNTER)) == 1
+
+
+def test_a_required_plain_step_leaves_the_policy_as_it_was():
+    """A batch with per-token penalties decodes plain below the threshold, without a
+    switch; the policy's own decision applies again once the batch no longer needs it."""
+    registry = CollectorRegistry()
+    c = controller(PrometheusExport({"model_name": "m"}, registry))
+    assert c.before_decode(2) is Mode.SPEC
+    c.after_decode(Mode.SPEC)
+    for _ in range(3):
+        assert c.before_decode(2, plain_required=True) is Mode.PLAIN
+        c.after_decode(Mode.PLAIN)
+    assert c.policy.mode is Mode.SPEC and c.stats.switches == dict.fromkeys(Mode, 0)
+    assert c.stats.penalty_plain_steps == 3 and c.stats.decode_steps[Mode.PLAIN] == 3
+    assert registry.get_sample_value(names.total(names.PENALTY_PLAIN_COUNTER), {"model_name": "m"}) == 3
+    assert c.before_decode(2) is Mode.SPEC
+    # Above the threshold the policy itself goes plain (and that is a switch).
+    assert c.before_decode(100) is Mode.PLAIN and c.stats.switches[Mode.PLAIN] == 1

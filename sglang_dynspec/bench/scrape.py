@@ -45,6 +45,7 @@ from sglang_dynspec.metric_names import (
     CATCH_UP_SECONDS,
     CATCH_UP_TOKENS_COUNTER,
     MODE_GAUGE,
+    PENALTY_PLAIN_COUNTER,
     PLAIN_GRAPH_COUNTER,
     PROBE_STEPS_COUNTER,
     RESUME_ACCEPTED_COUNTER,
@@ -67,8 +68,10 @@ CATCH_UP_SECONDS_COUNT = CATCH_UP_SECONDS + "_count"
 RESUME_ACCEPTED = total(RESUME_ACCEPTED_COUNTER)
 RESUME_REQUESTS = total(RESUME_REQUESTS_COUNTER)
 PROBE_STEPS = total(PROBE_STEPS_COUNTER)
+PENALTY_PLAIN_STEPS = total(PENALTY_PLAIN_COUNTER)
 _SUMMED = {
     PROBE_STEPS: "probe_steps",
+    PENALTY_PLAIN_STEPS: "penalty_plain_steps",
     CATCH_UP_TOKENS: "catch_up_tokens",
     CATCH_UP_SECONDS_SUM: "catch_up_seconds_sum",
     CATCH_UP_SECONDS_COUNT: "catch_up_timed",
@@ -96,6 +99,7 @@ class MetricsSnapshot:
     resume_accepted_tokens: float | None = None
     resume_requests: float | None = None
     probe_steps: float | None = None  # goodput: decode steps run only to measure a mode
+    penalty_plain_steps: float | None = None  # plain for per-token penalties, not by the policy
     acceptance: float | None = None  # the goodput policy's estimate
     acceptance_source: str | None = None
     # The goodput policy's step-time table: {(mode, batch_max): seconds}.
