@@ -34,7 +34,14 @@ Environment variables (booleans read with ``sglang_dynspec.config.env_bool``:
           global at call time, and an explicit ``--disable-overlap-schedule`` still
           wins.
 
-Both patches go through SGLang's ``HookRegistry``, whose ``_propagate_patch``
+Tensor parallelism on the CPU (``--tp-size 2``, with ``SGLANG_CPU_OMP_THREADS_BIND``
+giving each rank its cores): SGLang 0.5.23's process groups ask for a PyNccl
+communicator unless an out-of-tree platform opts out, and on the CPU engine that fails
+("Expected a cuda device, but got: cpu"). Once armed, the plugin makes
+``init_model_parallel_group`` default ``use_pynccl`` to False, so the groups
+communicate over gloo (their CPU group), as a CPU server must.
+
+The patches go through SGLang's ``HookRegistry``, whose ``_propagate_patch``
 also rebinds ``overlap_utils``' own ``from ... import gather_spec_extras``.
 ``serve.py`` checks after argument resolution that overlap really stayed on
 (``assert_overlap_kept``); the PyTorch gather logs once per process when used.
@@ -54,6 +61,7 @@ OVERLAP_ENV = "SGLANG_DYNSPEC_TESTBED_OVERLAP"
 
 GATHER_SPEC_EXTRAS = "sglang.kernels.ops.speculative.gather_spec_extras.gather_spec_extras"
 CPU_OVERLAP_RULE = "sglang.srt.arg_groups.speculative_hook._disable_overlap_schedule_for_cpu"
+INIT_GROUP = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
 
 _registered = False
 _gather_used = False
@@ -74,12 +82,18 @@ def register() -> None:
         draft_kv.register_hooks()
     if os.environ.get(host_reads.HOST_READS_ENV):
         host_reads.install_from_environ()
-    if overlap_requested():
-        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    HookRegistry.register(INIT_GROUP, _groups_without_pynccl, HookType.AROUND)
+    if overlap_requested():
         HookRegistry.register(GATHER_SPEC_EXTRAS, gather_spec_extras_torch, HookType.REPLACE)
         HookRegistry.register(CPU_OVERLAP_RULE, _keep_overlap_for_eagle_family, HookType.AROUND)
     _registered = True
+
+
+def _groups_without_pynccl(original, group_ranks, local_rank, backend, use_pynccl=None, *args, **kwargs):
+    """``init_model_parallel_group`` with ``use_pynccl`` False unless a caller asks for it."""
+    return original(group_ranks, local_rank, backend, bool(use_pynccl), *args, **kwargs)
 
 
 def gather_spec_extras_torch(

@@ -1,0 +1,58 @@
+"""End to end on real SGLang (CPU test bed): EAGLE3_DYNAMIC with two tensor-parallel ranks.
+
+Both ranks run the plugin: they agree on its settings at start-up, decide each step's
+mode from inputs that are identical on both, and run the plain step, the catch-up and
+the speculative step in lockstep. A rank that decided differently would enter another
+collective and the server would hang; outputs would differ if a rank ran a different
+computation. The non-speculative reference runs with two ranks too, so that the
+arithmetic (the split matmuls and their all-reduce) is the same on both servers.
+
+Two ranks on the CPU engine need their cores named (``SGLANG_CPU_OMP_THREADS_BIND``)
+and gloo groups (the test bed turns SGLang's PyNccl default off, ``plugin.py``).
+``tests/test_two_ranks.py`` covers the refusal of settings that differ between ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dynspec_testbed.server import CpuServer, wait_until_idle
+from dynspec_testbed.workload import compare_outputs, plugin_counters, run_waves, waves_of
+from sglang_dynspec.config import REQUEST_MODES_ENV, REQUEST_MODES_KEY
+
+pytestmark = pytest.mark.server
+
+TP_ENV = {"SGLANG_IS_IN_CI": "1", "SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+WAVES = waves_of([1, 6, 1, 6, 2, 8], seed=51, prefix="tp", new_tokens=(12, 32))
+
+
+def test_two_ranks_switch_both_ways_and_match_the_baseline(tiny_models, tmp_path):
+    with CpuServer(
+        ["--model-path", tiny_models["target"], "--tp-size", 2],
+        log_path=tmp_path / "reference.log",
+        env=TP_ENV,
+    ) as server:
+        reference = run_waves(server.url, WAVES)
+
+    args = [
+        "--model-path", tiny_models["target"], "--tp-size", 2,
+        "--speculative-algorithm", "EAGLE3_DYNAMIC",
+        "--speculative-draft-model-path", tiny_models["draft"],
+        "--speculative-num-steps", 3, "--speculative-eagle-topk", 1, "--speculative-num-draft-tokens", 4,
+        "--speculative-disable-batch-threshold", 3, "--speculative-min-dwell-steps", 0,
+        "--speculative-catch-up-tokens", 8,
+        "--enable-metrics",
+    ]  # fmt: skip
+    log = tmp_path / "dynamic.log"
+    with CpuServer(args, log_path=log, env={**TP_ENV, REQUEST_MODES_ENV: "1"}) as server:
+        got = run_waves(server.url, WAVES)
+        counters = plugin_counters(server.url)
+        idle = wait_until_idle(server.url)
+
+    assert [str(m) for m in compare_outputs(reference, got)] == []
+    assert "TP1" in log.read_text(), "the second rank never started"
+    assert counters.switches_to_plain >= 2 and counters.switches_to_spec >= 2, counters
+    assert counters.catch_ups["resume"] >= 1 and counters.catch_ups["buffer_full"] >= 1, counters
+    modes = [set(r["meta_info"][REQUEST_MODES_KEY]) for r in got.values()]
+    assert {"plain"} in modes and {"spec"} in modes, modes
+    assert all(load["num_used_tokens"] == 0 for load in idle), idle
