@@ -20,7 +20,7 @@ import re
 
 import pytest
 
-from dynspec_testbed.server import CpuServer, wait_until_idle
+from dynspec_testbed.server import CpuServer, dynamic_server_args, wait_until_idle
 from dynspec_testbed.workload import (
     compare_outputs,
     plugin_counters,
@@ -94,40 +94,10 @@ def reference(tiny_models, tmp_path_factory) -> dict[str, dict[str, dict]]:
     return out
 
 
-def dynamic_args(
-    models,
-    pair: str,
-    *,
-    steps: int,
-    topk: int,
-    draft_tokens: int,
-    disable_above: int,
-    dwell: int,
-    extra: list[str] = (),
-) -> list[str]:
-    target, draft = ("target", "draft") if pair == "random" else ("target-agree", "draft-agree")
-    return [
-        "--model-path",
-        models[target],
-        "--speculative-algorithm",
-        "EAGLE3_DYNAMIC",
-        "--speculative-draft-model-path",
-        models[draft],
-        "--speculative-num-steps",
-        steps,
-        "--speculative-eagle-topk",
-        topk,
-        "--speculative-num-draft-tokens",
-        draft_tokens,
-        "--speculative-disable-batch-threshold",
-        disable_above,
-        "--speculative-min-dwell-steps",
-        dwell,
-        "--max-running-requests",
-        16,
-        "--enable-metrics",
-        *extra,
-    ]
+def dynamic_args(models, pair: str, *, extra=(), **settings) -> list:
+    return dynamic_server_args(
+        models, pair, extra=["--max-running-requests", 16, "--enable-metrics", *extra], **settings
+    )
 
 
 def assert_identical(reference: dict[str, dict], got: dict[str, dict]) -> None:

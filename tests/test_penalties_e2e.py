@@ -33,7 +33,7 @@ import dataclasses
 import pytest
 
 from dynspec_testbed.models import AGREE_TOKEN
-from dynspec_testbed.server import CpuServer
+from dynspec_testbed.server import CpuServer, dynamic_server_args
 from dynspec_testbed.workload import compare_outputs, random_requests, run_waves
 from sglang_dynspec.config import PENALTIES, REQUEST_MODES_ENV, REQUEST_MODES_KEY
 
@@ -78,15 +78,9 @@ def reference(tiny_models, tmp_path_factory):
 
 
 def serve_dynamic(tiny_models, log, env, penalties: str | None):
-    args = [
-        "--model-path", tiny_models["target-agree"],
-        "--speculative-algorithm", "EAGLE3_DYNAMIC",
-        "--speculative-draft-model-path", tiny_models["draft-agree"],
-        "--speculative-num-steps", 3, "--speculative-eagle-topk", 1, "--speculative-num-draft-tokens", 4,
-        "--speculative-disable-batch-threshold", 3, "--speculative-min-dwell-steps", 0,
-    ]  # fmt: skip
-    if penalties is not None:
-        args += [PENALTIES.option, penalties]
+    args = dynamic_server_args(
+        tiny_models, "agree", extra=[] if penalties is None else [PENALTIES.option, penalties]
+    )
     with CpuServer(args, log_path=log, env={**env, REQUEST_MODES_ENV: "1"}) as server:
         return run_waves(server.url, WAVES)
 

@@ -18,7 +18,7 @@ import dataclasses
 
 import pytest
 
-from dynspec_testbed.server import CpuServer, generate_concurrently
+from dynspec_testbed.server import CpuServer, dynamic_server_args, generate_concurrently
 from dynspec_testbed.workload import compare_outputs, random_requests, run_waves, split_into_waves
 from sglang_dynspec.config import REQUEST_MODES_ENV, REQUEST_MODES_KEY
 
@@ -80,13 +80,7 @@ def serve(args, log, env=CI_ENV, greedy_reference=None):
 
 def test_sampling_parameters_stops_and_n_match_the_baseline(tiny_models, tmp_path):
     ref, ref_twins = serve(["--model-path", tiny_models["target"]], tmp_path / "reference.log")
-    args = [
-        "--model-path", tiny_models["target"],
-        "--speculative-algorithm", "EAGLE3_DYNAMIC",
-        "--speculative-draft-model-path", tiny_models["draft"],
-        "--speculative-num-steps", 3, "--speculative-eagle-topk", 1, "--speculative-num-draft-tokens", 4,
-        "--speculative-disable-batch-threshold", 3, "--speculative-min-dwell-steps", 0,
-    ]  # fmt: skip
+    args = dynamic_server_args(tiny_models)
     got, twins = serve(
         args, tmp_path / "dynamic.log", {**CI_ENV, REQUEST_MODES_ENV: "1"}, greedy_reference=ref
     )

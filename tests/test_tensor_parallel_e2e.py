@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from dynspec_testbed.server import CpuServer, wait_until_idle
+from dynspec_testbed.server import CpuServer, dynamic_server_args, wait_until_idle
 from dynspec_testbed.workload import compare_outputs, plugin_counters, run_waves, waves_of
 from sglang_dynspec.config import REQUEST_MODES_ENV, REQUEST_MODES_KEY
 
@@ -34,15 +34,9 @@ def test_two_ranks_switch_both_ways_and_match_the_baseline(tiny_models, tmp_path
     ) as server:
         reference = run_waves(server.url, WAVES)
 
-    args = [
-        "--model-path", tiny_models["target"], "--tp-size", 2,
-        "--speculative-algorithm", "EAGLE3_DYNAMIC",
-        "--speculative-draft-model-path", tiny_models["draft"],
-        "--speculative-num-steps", 3, "--speculative-eagle-topk", 1, "--speculative-num-draft-tokens", 4,
-        "--speculative-disable-batch-threshold", 3, "--speculative-min-dwell-steps", 0,
-        "--speculative-catch-up-tokens", 8,
-        "--enable-metrics",
-    ]  # fmt: skip
+    args = dynamic_server_args(
+        tiny_models, extra=["--tp-size", 2, "--speculative-catch-up-tokens", 8, "--enable-metrics"]
+    )
     log = tmp_path / "dynamic.log"
     with CpuServer(args, log_path=log, env={**TP_ENV, REQUEST_MODES_ENV: "1"}) as server:
         got = run_waves(server.url, WAVES)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from dynspec_testbed.server import CpuServer, wait_until_idle
+from dynspec_testbed.server import CpuServer, dynamic_server_args, wait_until_idle
 from dynspec_testbed.workload import compare_outputs, plugin_counters, run_waves, waves_of
 from sglang_dynspec.config import REQUEST_MODES_ENV, REQUEST_MODES_KEY
 
@@ -58,14 +58,7 @@ def test_after_a_weight_update_both_modes_use_the_new_weights(tiny_models, refer
     changed = [rid for rid in ref_before if ref_before[rid]["output_ids"] != ref_after[rid]["output_ids"]]
     assert len(changed) == REQUESTS
 
-    args = [
-        "--model-path", tiny_models["target"],
-        "--speculative-algorithm", "EAGLE3_DYNAMIC",
-        "--speculative-draft-model-path", tiny_models["draft"],
-        "--speculative-num-steps", 3, "--speculative-eagle-topk", 1, "--speculative-num-draft-tokens", 4,
-        "--speculative-disable-batch-threshold", 3, "--speculative-min-dwell-steps", 0,
-        "--enable-metrics",
-    ]  # fmt: skip
+    args = dynamic_server_args(tiny_models, extra=["--enable-metrics"])
     counters = {}
     with CpuServer(
         args, log_path=tmp_path / "dynamic.log", env={**OVERLAP_ENV, REQUEST_MODES_ENV: "1"}

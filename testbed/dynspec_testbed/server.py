@@ -169,6 +169,36 @@ def _wait_group_gone(group: int, timeout: float) -> bool:
     return False
 
 
+PAIRS = {"random": ("target", "draft"), "agree": ("target-agree", "draft-agree")}
+
+
+def dynamic_server_args(
+    models: Mapping[str, Any],
+    pair: str = "random",
+    *,
+    steps: int = 3,
+    topk: int = 1,
+    draft_tokens: int = 4,
+    disable_above: int = 3,
+    dwell: int = 0,
+    extra: Sequence[Any] = (),
+) -> list[Any]:
+    """Arguments of an EAGLE3_DYNAMIC server on one of the test bed's model pairs
+    (``random`` or ``agree``), switching above ``disable_above`` running requests."""
+    target, draft = PAIRS[pair]
+    return [
+        "--model-path", models[target],
+        "--speculative-algorithm", "EAGLE3_DYNAMIC",
+        "--speculative-draft-model-path", models[draft],
+        "--speculative-num-steps", steps,
+        "--speculative-eagle-topk", topk,
+        "--speculative-num-draft-tokens", draft_tokens,
+        "--speculative-disable-batch-threshold", disable_above,
+        "--speculative-min-dwell-steps", dwell,
+        *extra,
+    ]  # fmt: skip
+
+
 # ------------------------------------------------------------------ requests
 
 
