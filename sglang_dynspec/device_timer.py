@@ -89,16 +89,15 @@ def read_later(values: torch.Tensor, readings: DeferredReadings, on_done: Callab
     """Call ``on_done(values.tolist())`` once the device has computed ``values``.
 
     ``tolist()`` on a CUDA tensor waits for everything queued on the stream, later
-    steps included; here the values are copied asynchronously into pinned host memory
-    behind the work that produces them, and read once a marker queued after the copy
-    has completed.
+    steps included; here the values are copied to the host behind the work that
+    produces them (:class:`HostCopy`) and read once a marker queued after the copy
+    has completed, so the read never waits.
     """
     if values.device.type != "cuda":
         on_done(values.tolist())
         return
-    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-    host.copy_(values, non_blocking=True)
-    readings.add(DeviceTimer.marker(values.device), lambda _seconds: on_done(host.tolist()))
+    copy = HostCopy(values)
+    readings.add(DeviceTimer.marker(values.device), lambda _seconds: on_done(copy.read()))
 
 
 class HostCopy:

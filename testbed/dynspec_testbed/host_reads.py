@@ -37,9 +37,12 @@ WORKER_STEP = "sglang_dynspec.worker.DynamicEagleWorker.forward_batch_generation
 # (file, function, method) -> why it is not a device sync on the GPU.
 ALLOWED = {
     ("fresh_batch.py", "build_plain_decode_batch", "__int__"): "sums seq_lens_cpu, the host mirror",
-    ("device_timer.py", "read", "tolist"): "HostCopy's pinned copy (its event waited for) or the CPU branch",
+    (
+        "device_timer.py",
+        "read",
+        "tolist",
+    ): "HostCopy's pinned copy once its event has completed, or the CPU branch",
     ("device_timer.py", "read_later", "tolist"): "the CPU branch; CUDA tensors go through pinned memory",
-    ("device_timer.py", "<lambda>", "tolist"): "read_later's pinned host copy, once its event has completed",
 }
 
 
