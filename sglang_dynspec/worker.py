@@ -14,8 +14,9 @@ state forward (``plain_step``).
 from __future__ import annotations
 
 import logging
+import time
 
-from sglang_dynspec import compat, config
+from sglang_dynspec import compat, config, step_timing
 from sglang_dynspec.catch_up import DraftCatchUp, NoCatchUp, free_memory_note
 from sglang_dynspec.controller import ModeController, build_sinks
 from sglang_dynspec.estimates import EstimateFeed
@@ -90,6 +91,21 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
             self.plain_graphs = PlainGraphKeeper(
                 self.target_worker.model_runner, capture_hidden=self.catch_up.enabled
             )
+        self.step_cost_samples = self._calibrate_step_costs()
+
+    def _calibrate_step_costs(self) -> list[step_timing.StepCostSample]:
+        """With SGLANG_DYNSPEC_CALIBRATE=1, time both decode modes on this device now,
+        once every graph is captured and before any request (every TP rank runs the
+        same steps); the first rank logs the table. Otherwise nothing (an empty list)."""
+        # The first rank's setting, on every rank: the steps contain collectives.
+        if not compat.agree_across_tensor_parallel_ranks(config.env_bool(step_timing.CALIBRATE_ENV, False)):
+            return []
+        started = time.monotonic()
+        graph = self.plain_graphs.graph if self.plain_graphs is not None else None
+        samples = step_timing.measure_step_costs(self, graph, *step_timing.default_grid(self, graph))
+        if self._first_rank:
+            logger.info("%s", step_timing.format_step_costs(samples, time.monotonic() - started))
+        return samples
 
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
         if not compat.is_decode_step(batch):
