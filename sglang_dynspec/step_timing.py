@@ -22,6 +22,7 @@ Torch, ``compat`` and the plugin's own step code only; no SGLang import.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +34,8 @@ from sglang_dynspec import compat
 from sglang_dynspec.catch_up import NoCatchUp
 from sglang_dynspec.device_timer import DeviceTimer
 from sglang_dynspec.plain_step import run_plain_decode
+
+logger = logging.getLogger("sglang_dynspec")
 
 CALIBRATE_ENV = "SGLANG_DYNSPEC_CALIBRATE"
 MODES = ("plain", "spec")
@@ -79,7 +82,8 @@ class StepLimits:
         return sorted(out)
 
     def context_lens(self, wanted: Sequence[int]) -> list[int]:
-        return sorted({c for c in wanted if 1 <= c <= self.max_context_len})
+        """``wanted``, each capped at the longest context, without duplicates."""
+        return sorted({min(c, self.max_context_len) for c in wanted if c >= 1 and self.max_context_len >= 1})
 
 
 def step_limits(spec_worker, plain_graph) -> StepLimits:
@@ -95,15 +99,12 @@ def step_limits(spec_worker, plain_graph) -> StepLimits:
 
 def grid_for(limits: StepLimits) -> tuple[list[int], list[int]]:
     """The default grid under ``limits``: the batch ladder up to the largest batch
-    (which is always included), and the context ladder up to the context length
-    (at least one context: the context length itself when the ladder's smallest is
-    beyond it). Small when the steps run eagerly."""
+    (which is always included), and the context ladder capped at the longest
+    context. Small when the steps run eagerly."""
     eager = limits.graph_batch_sizes is None
     ladder = EAGER_BATCH_LADDER if eager else BATCH_LADDER
     batch_sizes = limits.batch_sizes([*ladder, limits.max_batch_size])
     context_lens = limits.context_lens(EAGER_CONTEXT_LADDER if eager else CONTEXT_LADDER)
-    if not context_lens and limits.max_context_len >= 1:
-        context_lens = [limits.max_context_len]
     return batch_sizes, context_lens
 
 
@@ -204,22 +205,41 @@ def median_step_seconds(step: Callable[[], object], device, *, warmup: int, repe
     return statistics.median(times)
 
 
-def measure_point(spec_worker, plain_graph, batch_size: int, context_len: int, *, warmup: int, repeats: int):
-    """Both modes at one point, on one synthetic batch (built, then put back)."""
+def measure_point(
+    spec_worker,
+    plain_graph,
+    batch_size: int,
+    context_len: int,
+    *,
+    warmup: int,
+    repeats: int,
+    eager_steps: list | None = None,
+) -> list[StepCostSample]:
+    """Both modes at one point, on one synthetic batch (built, then put back).
+    ``eager_steps`` collects ``(mode, batch_size, context_len)`` of the modes whose
+    last step replayed no CUDA graph where one was expected (the plain graph, when
+    given, for ``plain``; the target's verify graph for ``spec``)."""
+    last = {}
+    runs = {
+        "plain": lambda: run_plain_decode(spec_worker, synthetic.next_batch(), NoCatchUp(), plain_graph),
+        "spec": lambda: compat.run_speculative_decode(spec_worker, synthetic.next_batch()),
+    }
+
+    def step(mode):
+        def run():
+            last[mode] = runs[mode]()
+
+        return run
+
+    samples = []
     with compat.synthetic_decode_batch(spec_worker, batch_size, context_len) as synthetic:
-        steps = {
-            "plain": lambda: run_plain_decode(spec_worker, synthetic.next_batch(), NoCatchUp(), plain_graph),
-            "spec": lambda: compat.run_speculative_decode(spec_worker, synthetic.next_batch()),
-        }
-        return [
-            StepCostSample(
-                mode,
-                batch_size,
-                context_len,
-                median_step_seconds(steps[mode], spec_worker.device, warmup=warmup, repeats=repeats),
-            )
-            for mode in MODES
-        ]
+        for mode in MODES:
+            seconds = median_step_seconds(step(mode), spec_worker.device, warmup=warmup, repeats=repeats)
+            samples.append(StepCostSample(mode, batch_size, context_len, seconds))
+    if eager_steps is not None:
+        expected = ("plain", "spec") if plain_graph is not None else ("spec",)
+        eager_steps += [(m, batch_size, context_len) for m in expected if not last[m].can_run_cuda_graph]
+    return samples
 
 
 def measure_step_costs(
@@ -239,17 +259,29 @@ def measure_step_costs(
     ``plain_graph``: the plain decode graph (``PlainDecodeGraph``) the plain steps
     replay, or None (eager, as the worker runs them then). Batch sizes beyond the
     request pool, the max running requests or the largest captured decode graph, and
-    contexts beyond the model's, are left out (:class:`StepLimits`): such steps would
-    not run as serving runs them. Every TP rank must call this at the same point.
+    are left out, and contexts are capped at the model's (:class:`StepLimits`): such
+    steps would not run as serving runs them. Every TP rank must call this at the same point.
     """
     limits = step_limits(spec_worker, plain_graph)
     points = agree(measurement_order(limits.batch_sizes(batch_sizes), limits.context_lens(context_lens)))
-    return run_within_budget(
+    eager_steps = []
+    samples = run_within_budget(
         points,
-        lambda bs, ctx: measure_point(spec_worker, plain_graph, bs, ctx, warmup=warmup, repeats=repeats),
+        lambda bs, ctx: measure_point(
+            spec_worker, plain_graph, bs, ctx, warmup=warmup, repeats=repeats, eager_steps=eager_steps
+        ),
         budget_seconds,
         agree=agree,
     )
+    if limits.graph_batch_sizes is not None and eager_steps:
+        # Serving would replay a graph at these sizes: the costs measured are not serving's.
+        logger.warning(
+            "[sglang-dynspec] step-cost calibration: %d steps ran without their CUDA graph (mode, batch, "
+            "context): %s",
+            len(eager_steps),
+            eager_steps[:8],
+        )
+    return samples
 
 
 def format_step_costs(samples: Sequence[StepCostSample], seconds: float) -> str:

@@ -56,7 +56,7 @@ def test_limits_drop_what_serving_would_not_run_and_snap_to_captured_graphs():
     limits = StepLimits(max_batch_size=100, max_context_len=3000, graph_batch_sizes=CAPTURED)
     # 3 replays the 4 graph, 97 the 104 graph (beyond the limit of 100): left out.
     assert limits.batch_sizes([1, 3, 4, 64, 97, 100, 200]) == [1, 4, 64]
-    assert limits.context_lens([128, 512, 2048, 8192, 0]) == [128, 512, 2048]
+    assert limits.context_lens([128, 512, 2048, 8192, 0]) == [128, 512, 2048, 3000]
     eager = StepLimits(max_batch_size=16, max_context_len=2000)
     assert eager.batch_sizes([0, 1, 3, 16, 17]) == [1, 3, 16]
 
@@ -65,7 +65,7 @@ def test_cuda_grid_is_the_ladder_up_to_the_largest_graph():
     limits = StepLimits(max_batch_size=160, max_context_len=4096, graph_batch_sizes=CAPTURED)
     batch_sizes, context_lens = grid_for(limits)
     assert batch_sizes == [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160]
-    assert context_lens == [128, 512, 2048]
+    assert context_lens == [128, 512, 2048, 4096]
     assert all(b / a <= 2 for a, b in itertools.pairwise(batch_sizes))
     assert set(batch_sizes) <= set(CAPTURED) and set(batch_sizes) <= set(BATCH_LADDER) | {160}
 
@@ -75,7 +75,8 @@ def test_eager_grid_is_small():
     assert (batch_sizes, context_lens) == (list(EAGER_BATCH_LADDER), list(EAGER_CONTEXT_LADDER))
     # Fewer rows than the ladder: the largest batch is always measured.
     assert grid_for(StepLimits(max_batch_size=8, max_context_len=2000))[0] == [1, 4, 8]
-    # A context length below the ladder's smallest: that length alone.
+    # Contexts are capped at the longest.
+    assert grid_for(StepLimits(max_batch_size=8, max_context_len=100))[1] == [64, 100]
     assert grid_for(StepLimits(max_batch_size=8, max_context_len=40))[1] == [40]
 
 
