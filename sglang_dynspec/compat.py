@@ -86,8 +86,11 @@ __all__ = [
     "accept_counters",
     "agree_across_tensor_parallel_ranks",
     "decode_batch_size",
+    "draft_steps",
+    "mean_context_len",
     "gather_across_tensor_parallel_ranks",
     "draft_extend_contexts",
+    "draft_passes",
     "fill_draft_kv",
     "is_decode_step",
     "is_idle_step",
@@ -103,6 +106,7 @@ __all__ = [
     "request_pool_index",
     "request_pool_indices",
     "request_pool_size",
+    "request_to_token_table",
     "run_draft_extend",
     "run_target_decode",
     "served_model_name",
@@ -153,6 +157,7 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
             "model_path",
             "speculative_draft_model_path",
             "speculative_draft_model_revision",
+            "speculative_num_steps",
             "pp_size",
             "enable_dp_attention",
             "enable_two_batch_overlap",
@@ -271,7 +276,17 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
         ),
     ),
     HostSymbols(ReqKvInfo, ("req_pool_idx?",)),  # 0.5.23's home of the request's row
-    HostSymbols(Req, ("kv|req_pool_idx", "rid", "spec_num_correct_drafts", "spec_verify_ct")),
+    HostSymbols(
+        Req,
+        (
+            "kv|req_pool_idx",
+            "rid",
+            "spec_num_correct_drafts",
+            "spec_verify_ct",
+            "origin_input_ids",
+            "output_ids",
+        ),
+    ),
     HostSymbols(ReqToTokenPool, ("req_to_token",)),
     HostSymbols(
         SamplingBatchInfo,
@@ -540,6 +555,21 @@ def decode_batch_size(batch: ScheduleBatch) -> int:
     return len(batch.reqs)
 
 
+def mean_context_len(batch: ScheduleBatch) -> float:
+    """Mean KV length of the decode batch's requests, from host values identical on every
+    TP rank (the requests' token lists; ``seq_lens_sum`` is often None at decode)."""
+    reqs = batch.reqs
+    if not reqs:
+        return 0.0
+    return sum(len(r.origin_input_ids) + len(r.output_ids) for r in reqs) / len(reqs)
+
+
+def draft_steps(server_args) -> int:
+    """Draft steps per speculative step (``--speculative-num-steps``); a step accepts at
+    most this many drafts plus the bonus token."""
+    return int(server_args.speculative_num_steps)
+
+
 def needs_per_token_penalties(batch: ScheduleBatch) -> bool:
     """True if a request of ``batch`` uses frequency, presence or repetition penalties.
 
@@ -575,8 +605,18 @@ def target_hidden_dtype(spec_worker):
     return spec_worker.target_worker.model_runner.model_config.dtype
 
 
+def request_to_token_table(spec_worker):
+    """``[pool_size, max_context]`` the KV slot of each request row's positions."""
+    return spec_worker.req_to_token_pool.req_to_token
+
+
 def request_pool_size(spec_worker) -> int:
-    return int(spec_worker.req_to_token_pool.req_to_token.shape[0])
+    return int(request_to_token_table(spec_worker).shape[0])
+
+
+def draft_passes(spec_worker) -> tuple[Callable, Callable]:
+    """``(run_draft_extend, fill_draft_kv)`` bound to ``spec_worker`` (the catch-up's two passes)."""
+    return functools.partial(run_draft_extend, spec_worker), functools.partial(fill_draft_kv, spec_worker)
 
 
 # --------------------------------------------------------------------------- calls

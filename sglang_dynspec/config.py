@@ -92,14 +92,15 @@ CATCH_UP_TOKENS = Flag(
     "catch-up: the draft resumes from stale state).",
 )
 POLICIES = ("threshold", "goodput")
-DEFAULT_POLICY = "threshold"
+DEFAULT_POLICY = "goodput"
 POLICY = Flag(
     "--speculative-dynamic-policy",
     "SGLANG_DYNSPEC_POLICY",
-    f"{ALGORITHM_NAME}: when to speculate. threshold: by the decode batch size (the two "
-    "batch thresholds); goodput: while measured tokens/s of speculation beat plain decode "
-    "(measured step times and acceptance; --speculative-disable-batch-threshold, if given, "
-    f"is a hard upper bound). Default {DEFAULT_POLICY}.",
+    f"{ALGORITHM_NAME}: when to speculate. goodput: while the predicted tokens/s of "
+    "speculation beat plain decode (step costs timed at start-up and corrected online, "
+    "acceptance measured in both modes; --speculative-disable-batch-threshold, if given, is a "
+    "hard upper bound); threshold: by the decode batch size alone (the two batch thresholds). "
+    f"Default {DEFAULT_POLICY}.",
     choices=POLICIES,
 )
 PENALTY_MODES = ("exact", "relaxed")
@@ -316,13 +317,15 @@ def _default_thresholds(environ: Mapping[str, str]) -> SwitchThresholds:
     )
 
 
-def build_policy(settings: Settings) -> ModePolicy:
-    """The mode policy the settings ask for."""
+def build_policy(settings: Settings, max_acceptance: float = 4.0) -> ModePolicy:
+    """The mode policy the settings ask for (``max_acceptance``: the most tokens one
+    speculative step can give, ``--speculative-num-draft-tokens``)."""
     if settings.policy == "goodput":
         return GoodputPolicy(
             GoodputSettings(
                 min_dwell_steps=max(1, settings.thresholds.min_dwell_steps),
                 max_spec_batch=settings.speculation_bound,
+                max_acceptance=max(1.0, max_acceptance),
             )
         )
     return ThresholdPolicy(settings.thresholds)

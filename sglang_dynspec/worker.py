@@ -16,9 +16,8 @@ from __future__ import annotations
 import logging
 
 from sglang_dynspec import compat, config
-from sglang_dynspec.catch_up import DraftCatchUp, NoCatchUp, free_memory_note
-from sglang_dynspec.controller import ModeController, build_sinks
-from sglang_dynspec.estimates import EstimateFeed
+from sglang_dynspec.catch_up import NoCatchUp, free_memory_note, new_catch_up
+from sglang_dynspec.controller import ModeController
 from sglang_dynspec.plain_graph import PlainGraphKeeper
 from sglang_dynspec.plain_step import run_plain_decode
 from sglang_dynspec.policy import Mode
@@ -37,22 +36,20 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
         if disagreement:
             raise config.ConfigError(disagreement)
         first_rank = self._first_rank = compat.tensor_parallel_rank() == 0
-        self.controller = ModeController(
-            config.build_policy(self.settings),
-            build_sinks(
-                first_rank=first_rank,
-                metrics_enabled=compat.metrics_enabled(server_args),
-                labels={"model_name": compat.served_model_name(server_args)},
-            ),
-            EstimateFeed(
-                agree=compat.agree_across_tensor_parallel_ranks,
-                simulated_acceptance=self.settings.simulated_acceptance,
-            ),
+        draft_steps = compat.draft_steps(server_args)
+        self.controller = ModeController.from_settings(
+            self.settings,
+            first_rank=first_rank,
+            metrics_enabled=compat.metrics_enabled(server_args),
+            labels={"model_name": compat.served_model_name(server_args)},
+            agree=compat.agree_across_tensor_parallel_ranks,
+            draft_steps=draft_steps,
+            max_acceptance=draft_steps + 1,
+            device=str(self.device),
         )
         self.catch_up = NoCatchUp()  # allocated in init_cuda_graphs, once the KV pools exist
         self.plain_graphs = None  # PlainGraphKeeper, from init_cuda_graphs; None: eager plain steps
         self._last_step_plain = False
-        self._exact_penalties = self.settings.penalties == "exact"
         if first_rank:
             logger.info(
                 "[sglang-dynspec] EAGLE3_DYNAMIC: %s; draft catch-up buffer %d positions per request; "
@@ -73,8 +70,7 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
         # The scheduler calls this once the KV pools exist (both SGLang versions, with
         # or without CUDA graphs): allocate the catch-up buffer first, so the graphs
         # are captured with it in place.
-        if self.settings.catch_up_tokens:
-            self.catch_up = DraftCatchUp(self, self.settings.catch_up_tokens, self.controller.on_catch_up)
+        self.catch_up = new_catch_up(self, self.settings.catch_up_tokens, self.controller.on_catch_up)
         if self.catch_up.enabled and self._first_rank:
             logger.info(
                 "[sglang-dynspec] draft catch-up buffer: %d positions x %d requests, %.0f MiB (allocated "
@@ -103,13 +99,18 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
         mode = self.controller.before_decode(
             compat.decode_batch_size(batch),
             lambda: compat.accept_counters(batch),
-            # Penalties count every token only in plain steps (compat.needs_per_token_penalties).
-            plain_required=self._exact_penalties and compat.needs_per_token_penalties(batch),
+            needs_per_token_penalties=compat.needs_per_token_penalties(batch),
+            context_len=compat.mean_context_len(batch),
         )
         self._last_step_plain = mode is Mode.PLAIN
         if mode is Mode.PLAIN:
+            self.catch_up.before_plain_step(batch)
             graph = self.plain_graphs.graph if self.plain_graphs is not None else None
-            out = run_plain_decode(self, batch, self.catch_up, graph, on_publish, grammar_barrier)
+            step = run_plain_decode(self, batch, graph, grammar_barrier, capture_hidden=self.catch_up.enabled)
+            self.catch_up.after_plain_step(step.input_ids, step.aux_hidden)
+            out = step.result
+            if on_publish is not None:
+                on_publish(out.new_seq_lens)  # once per forward (plain_step, item 2)
             self.controller.after_decode(mode, replayed_graph=bool(out.can_run_cuda_graph))
         else:
             self.catch_up.before_speculative_step(batch)
