@@ -92,7 +92,7 @@ CATCH_UP_TOKENS = Flag(
     "catch-up: the draft resumes from stale state).",
 )
 POLICIES = ("threshold", "goodput")
-DEFAULT_POLICY = "goodput"
+DEFAULT_POLICY = "threshold"
 POLICY = Flag(
     "--speculative-dynamic-policy",
     "SGLANG_DYNSPEC_POLICY",
