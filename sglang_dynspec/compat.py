@@ -30,17 +30,19 @@ No CUDA graph capture, no result shaping and no timers here (``plain_graph``,
 
 from __future__ import annotations
 
+import array
 import contextlib
 import dataclasses
 import functools
 import inspect
 import operator
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import sglang
+import torch
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed import parallel_state
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
@@ -48,6 +50,8 @@ from sglang.srt.managers import overlap_utils
 from sglang.srt.managers.schedule_batch import Req, ReqKvInfo, ScheduleBatch
 from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.mem_cache import allocation_sizing
+from sglang.srt.mem_cache.allocator import BaseTokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.model_executor.model_runner import ModelRunner
@@ -57,6 +61,7 @@ from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCuda
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from sglang.srt.sampling.penaltylib import BatchedPenalizerOrchestrator
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative import eagle_utils, eagle_worker_v2, spec_registry
 from sglang.srt.speculative.eagle_info import EagleDraftExtendInput, EagleDraftInput
@@ -85,9 +90,11 @@ __all__ = [
     "WAR_RUNNER_PROPERTY",
     "accept_counters",
     "agree_across_tensor_parallel_ranks",
+    "SyntheticDecodeBatch",
     "decode_batch_size",
     "draft_steps",
     "mean_context_len",
+    "decode_graph_batch_sizes",
     "gather_across_tensor_parallel_ranks",
     "draft_extend_contexts",
     "draft_passes",
@@ -108,10 +115,14 @@ __all__ = [
     "request_pool_size",
     "request_to_token_table",
     "run_draft_extend",
+    "run_speculative_decode",
     "run_target_decode",
     "served_model_name",
     "set_optional_batch_fields",
     "spec_forward_kwargs",
+    "speculative_kv_reserve",
+    "synthetic_batch_limits",
+    "synthetic_decode_batch",
     "table_names",
     "target_hidden_dtype",
     "target_hidden_width",
@@ -158,6 +169,10 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
             "speculative_draft_model_path",
             "speculative_draft_model_revision",
             "speculative_num_steps",
+            "speculative_eagle_topk",
+            "speculative_num_draft_tokens",
+            "attention_backend",
+            "disable_cuda_graph",
             "pp_size",
             "enable_dp_attention",
             "enable_two_batch_overlap",
@@ -190,6 +205,7 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
             "draft_worker",
             "req_to_token_pool",
             "device",
+            "server_args",
             "last_shared_read_runner|war_fastpath_runner",
         ),
     ),
@@ -333,6 +349,20 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
         ),
     ),
     HostSymbols(LogitsProcessorOutput, ("hidden_states", "next_token_logprobs", "customized_info")),
+    # Step-cost calibration: the synthetic decode batch and the limits of the grid
+    # (synthetic_decode_batch, synthetic_batch_limits, decode_graph_batch_sizes).
+    HostSymbols(EAGLEWorkerV2, ("token_to_kv_pool_allocator", "topk")),
+    HostSymbols(EagleDraftWorker, ("cuda_graph_runner", "cuda_graph_runner_for_draft_extend")),
+    HostSymbols(ModelRunner, ("max_running_requests",)),
+    HostSymbols(ModelConfig, ("context_len", "vocab_size")),
+    HostSymbols(DecodeCudaGraphRunner, ("capture_bs",)),
+    HostSymbols(ReqToTokenPool, ("free_slots", "device")),
+    HostSymbols(BaseTokenToKVPoolAllocator, ("size", "page_size")),
+    HostSymbols(allocation_sizing, ("get_alloc_reserve_per_decode",)),
+    HostSymbols(eagle_utils, ("get_draft_recurrent_hidden_state_spec",)),
+    HostSymbols(ScheduleBatch, ("init_new",)),
+    HostSymbols(SamplingParams, ("normalize",)),
+    HostSymbols(SamplingBatchInfo, ("from_schedule_batch", "copy_for_forward")),
 )
 
 
@@ -351,16 +381,21 @@ def _class_source(cls: type) -> str:
 
 def _has_attribute(owner: Any, name: str) -> bool:
     """A class or module attribute, a dataclass field, an annotation, or an instance
-    attribute assigned (``self.name = ...``) somewhere in the class's own source."""
+    attribute assigned (``self.name = ...``, or ``self.name, self.other = ...``)
+    somewhere in the class's own source."""
     if hasattr(owner, name) or name in getattr(owner, "__dataclass_fields__", {}):
         return True
     if not inspect.isclass(owner):
         return False
-    assigned = re.compile(rf"\bself\.{re.escape(name)}\s*(:[^=\n]+)?=(?!=)")
+    attr = re.escape(name)
+    assigned = re.compile(rf"\bself\.{attr}\s*(:[^=\n]+)?=(?!=)")
+    # ... or one target of a tuple assignment (``self.a, self.b = ...``).
+    unpacked = re.compile(rf"^\s*(self\.\w+\s*,\s*)*self\.{attr}\s*(,\s*self\.\w+\s*)*=(?!=)", re.M)
     for cls in owner.__mro__:
         if name in getattr(cls, "__annotations__", {}):
             return True
-        if cls.__module__.startswith("sglang") and assigned.search(_class_source(cls)):
+        source = _class_source(cls) if cls.__module__.startswith("sglang") else ""
+        if assigned.search(source) or unpacked.search(source):
             return True
     return False
 
@@ -564,6 +599,31 @@ def mean_context_len(batch: ScheduleBatch) -> float:
     return sum(len(r.origin_input_ids) + len(r.output_ids) for r in reqs) / len(reqs)
 
 
+def step_cost_key(spec_worker, grid) -> dict:
+    """What a start-up step-cost table is valid for (``cost_cache``): the device, the
+    target and draft, SGLang and plugin versions, the speculative shape, the parallel
+    layout and the timed grid."""
+    import torch
+
+    from sglang_dynspec import __version__
+
+    args = spec_worker.server_args
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {
+        "device": device,
+        "sglang": SGLANG_VERSION,
+        "plugin": __version__,
+        "target": str(args.model_path),
+        "draft": str(args.speculative_draft_model_path),
+        "dtype": str(target_hidden_dtype(spec_worker)),
+        "spec": [args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens],
+        "tp": parallel_state.get_tensor_model_parallel_world_size(),
+        "attention": str(getattr(args, "attention_backend", None)),
+        "cuda_graph": not getattr(args, "disable_cuda_graph", False),
+        "grid": [list(grid[0]), list(grid[1])],
+    }
+
+
 def draft_steps(server_args) -> int:
     """Draft steps per speculative step (``--speculative-num-steps``); a step accepts at
     most this many drafts plus the bonus token."""
@@ -709,3 +769,205 @@ def tag_step_mode(result: GenerationBatchResult, key: str, mode: str) -> None:
     info = dict(logits.customized_info or {})
     info[key] = [mode] * n
     logits.customized_info = info
+
+
+# =================================================================================
+# Step-cost calibration: synthetic speculative decode batches (step_timing.py).
+#
+# At start-up, before any request, both decode modes are timed on a decode batch
+# built here, exactly as the scheduler hands one to the worker (SGLang 0.5.17 and
+# 0.5.23 alike: a ScheduleBatch; neither has a ModelWorkerBatch). Nothing is being
+# served yet, so every request-pool row and every KV slot is free: the batch points
+# free rows at KV slots without allocating them (garbage KV is harmless: a request
+# reads only positions it wrote) and puts the rows back on exit.
+# =================================================================================
+
+
+@dataclass
+class SyntheticDecodeBatch:
+    """A speculative decode batch of ``batch_size`` requests at ``context_len``
+    committed tokens each, reusable for any number of steps (:meth:`next_batch`)."""
+
+    batch: ScheduleBatch
+    fields: dict  # the batch's dataclass fields as built, restored before each step
+    draft_tensors: tuple  # bonus_tokens, topk_p, topk_index, hidden_states
+
+    def next_batch(self) -> ScheduleBatch:
+        """The batch as the scheduler would hand it in: every field as built (a
+        speculative step rebinds several; the scheduler's ``_forward_isolation``
+        restores them the same way) and a new draft input over the same tensors."""
+        for name, value in self.fields.items():
+            setattr(self.batch, name, value)
+        self.batch.spec_info = _draft_input(*self.draft_tensors)
+        return self.batch
+
+
+def _draft_input(bonus_tokens, topk_p, topk_index, hidden_states) -> EagleDraftInput:
+    # The state a prefill's draft extend (``_draft_extend_for_prefill``) hands the
+    # first decode step, field for field (no rejection sampling: no draft_probs).
+    draft_input = EagleDraftInput(
+        bonus_tokens=bonus_tokens,
+        capture_hidden_mode=CaptureHiddenMode.LAST,
+        num_tokens_per_req=1,
+        num_tokens_for_logprob_per_req=1,
+    )
+    draft_input.topk_p = topk_p
+    draft_input.topk_index = topk_index
+    draft_input.hidden_states = hidden_states
+    return draft_input
+
+
+def speculative_kv_reserve() -> int:
+    """KV positions past the committed length that a speculative decode step may
+    touch: what the scheduler reserves per request before each decode step
+    (``eagle_prepare_for_decode``: draft, verify and draft-extend windows, doubled
+    for the overlap lag; page-aligned trees included)."""
+    return int(allocation_sizing.get_alloc_reserve_per_decode())
+
+
+def synthetic_batch_limits(spec_worker) -> tuple[int, int]:
+    """``(max batch size, max context length)`` of a synthetic decode batch: the free
+    request-pool rows and the scheduler's max running requests; the model's context
+    length, less the speculative reserve where a ``req_to_token`` row is too short
+    to hold it."""
+    pool = spec_worker.req_to_token_pool
+    runner = spec_worker.target_worker.model_runner
+    page = int(spec_worker.token_to_kv_pool_allocator.page_size)
+    max_batch = min(len(pool.free_slots), int(runner.max_running_requests))
+    row_width = int(pool.req_to_token.shape[1])
+    max_context = min(int(runner.model_config.context_len), row_width - speculative_kv_reserve() - page)
+    return max(0, max_batch), max(0, max_context)
+
+
+def decode_graph_batch_sizes(spec_worker, plain_runner=None) -> list[int] | None:
+    """The batch sizes every CUDA decode graph of both modes captured: the target's
+    verify graph, the draft's decode and draft-extend graphs and ``plain_runner``
+    (the plain decode graph's runner, or None). None when none is a CUDA graph (the
+    steps run eagerly: CPU, or graphs disabled). A batch up to the largest replays
+    the next captured size (padded); one beyond it runs eagerly, which serving never
+    does, and with ``--disable-cuda-graph-padding`` only the captured sizes replay."""
+    draft_worker = spec_worker.draft_worker
+    runners = (
+        spec_worker.target_worker.model_runner.decode_cuda_graph_runner,
+        draft_worker.cuda_graph_runner,
+        draft_worker.cuda_graph_runner_for_draft_extend,
+        plain_runner,
+    )
+    captured = [set(r.capture_bs) for r in runners if isinstance(r, DecodeCudaGraphRunner)]
+    if not captured:
+        return None
+    return sorted(set.intersection(*captured))
+
+
+def _calibration_request(i: int, vocab_size: int) -> Req:
+    # Greedy (temperature 0 becomes top_k 1), one prompt token: the worker reads a
+    # request's rid, sampling parameters and feature flags, never its tokens.
+    params = SamplingParams(max_new_tokens=1, temperature=0.0)
+    params.normalize(None)
+    return Req(
+        rid=f"sglang-dynspec-calibration-{i}",
+        origin_input_text="",
+        origin_input_ids=array.array("q", [0]),
+        sampling_params=params,
+        vocab_size=vocab_size,
+    )
+
+
+@contextlib.contextmanager
+def synthetic_decode_batch(spec_worker, batch_size: int, context_len: int) -> Iterator[SyntheticDecodeBatch]:
+    """A speculative DECODE batch of ``batch_size`` greedy requests with
+    ``context_len`` committed tokens each, as ``EAGLEWorkerV2.forward_batch_generation``
+    and the plugin's plain step receive one on both SGLang versions. Only at start-up
+    (every request-pool row and KV slot free); leaves no trace.
+
+    * requests: real ``Req`` objects (``ForwardBatch.init_new`` and the sampling info
+      read them), never added to the pool or a cache;
+    * rows: the last ``batch_size`` free ``req_to_token`` rows (where the pool
+      allocates from), not taken from its free list; each points positions
+      ``[0, context_len + reserve)`` (:func:`speculative_kv_reserve`) at distinct KV
+      slots, page-aligned, wrapping around the KV pool when the batch needs more
+      slots than it has. The rows' previous contents are put back on exit; nothing is
+      allocated from the KV allocator;
+    * ``seq_lens`` = ``context_len`` with its host mirror (``seq_lens_cpu``,
+      ``seq_lens_sum``), ``input_ids`` / ``out_cache_loc`` None: the state
+      ``eagle_prepare_for_decode`` leaves;
+    * greedy ``SamplingBatchInfo``, the forward-only copy the scheduler hands in;
+    * ``spec_info``: an ``EagleDraftInput`` shaped as after a prefill: ``bonus_tokens``
+      int32 ``[bs]``, ``topk_p`` float32 ``[bs, topk]`` (uniform), ``topk_index``
+      int64 ``[bs, topk]``, ``hidden_states`` ``[bs, H]`` zeros in the draft's
+      recurrent width and dtype.
+    """
+    if batch_size < 1 or context_len < 1:
+        raise ValueError(f"batch_size and context_len must be >= 1, got {batch_size}, {context_len}")
+    max_batch, max_context = synthetic_batch_limits(spec_worker)
+    if batch_size > max_batch or context_len > max_context:
+        raise ValueError(
+            f"a synthetic decode batch of {batch_size} x {context_len} exceeds the limits "
+            f"{max_batch} x {max_context} (free request rows or max running requests x context length)"
+        )
+    pool = spec_worker.req_to_token_pool
+    allocator = spec_worker.token_to_kv_pool_allocator
+    model_config = spec_worker.target_worker.model_runner.model_config
+    device = pool.device
+    req_to_token = pool.req_to_token
+
+    rows = list(pool.free_slots[-batch_size:])
+    page = int(allocator.page_size)
+    slots = int(allocator.size) // page * page  # usable KV slots: [page, page + slots)
+    span = -(-(context_len + speculative_kv_reserve()) // page) * page  # positions per row, whole pages
+    rows_device = torch.tensor(rows, dtype=torch.int64, device=device)
+    positions = torch.arange(batch_size * span, dtype=torch.int64, device=device)
+    saved = req_to_token[rows_device, :span].clone()
+    req_to_token[rows_device, :span] = (
+        (page + positions % slots).view(batch_size, span).to(req_to_token.dtype)
+    )
+    try:
+        vocab_size = int(model_config.vocab_size)
+        reqs = [_calibration_request(i, vocab_size) for i in range(batch_size)]
+        batch = ScheduleBatch.init_new(
+            reqs=reqs,
+            req_to_token_pool=pool,
+            token_to_kv_pool_allocator=allocator,
+            tree_cache=None,
+            model_config=model_config,
+            enable_overlap=False,  # read by the scheduler only
+            spec_algorithm=spec_worker.target_worker.model_runner.spec_algorithm,
+        )
+        batch.forward_mode = ForwardMode.DECODE
+        batch.req_pool_indices = rows_device
+        batch.seq_lens = torch.full((batch_size,), context_len, dtype=torch.int64, device=device)
+        batch.seq_lens_cpu = torch.full((batch_size,), context_len, dtype=torch.int64)
+        batch.seq_lens_sum = batch_size * context_len
+        batch.input_ids = None
+        batch.out_cache_loc = None
+        batch.multimodal_inputs = [None] * batch_size
+        set_optional_batch_fields(
+            batch,
+            req_pool_indices_cpu=torch.tensor(rows, dtype=torch.int64),
+            orig_seq_lens=batch.seq_lens.to(torch.int32),
+        )
+        batch.sampling_info = SamplingBatchInfo.from_schedule_batch(batch, vocab_size).copy_for_forward()
+
+        topk = int(spec_worker.topk)
+        hidden_size, hidden_dtype = eagle_utils.get_draft_recurrent_hidden_state_spec(
+            spec_worker.draft_worker.draft_runner
+        )
+        draft_tensors = (
+            (torch.arange(batch_size, dtype=torch.int32, device=device) % vocab_size),
+            torch.full((batch_size, topk), 1.0 / topk, dtype=torch.float32, device=device),
+            torch.arange(topk, dtype=torch.int64, device=device).expand(batch_size, topk).contiguous(),
+            None
+            if hidden_size is None
+            else torch.zeros((batch_size, int(hidden_size)), dtype=hidden_dtype, device=device),
+        )
+        fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+        yield SyntheticDecodeBatch(batch, fields, draft_tensors)
+    finally:
+        req_to_token[rows_device, :span] = saved
+
+
+def run_speculative_decode(spec_worker, batch: ScheduleBatch) -> GenerationBatchResult:
+    """SGLang's own speculative decode step on ``batch`` (draft, verify, draft extend),
+    as ``DynamicEagleWorker`` runs it when it speculates, without the plugin's
+    controller or catch-up."""
+    return EAGLEWorkerV2.forward_batch_generation(spec_worker, batch, **spec_forward_kwargs(None, None, None))

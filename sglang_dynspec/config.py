@@ -142,6 +142,20 @@ PLAIN_CUDA_GRAPH_ENV = "SGLANG_DYNSPEC_PLAIN_CUDA_GRAPH"
 REQUEST_MODES_ENV = "SGLANG_DYNSPEC_REQUEST_MODES"
 REQUEST_MODES_KEY = "spec_dynamic_step_modes"
 ENABLED_ENV = "SGLANG_DYNSPEC_ENABLED"
+# Where the start-up step-cost tables are cached (cost_cache); "off" disables the cache.
+COST_CACHE_ENV = "SGLANG_DYNSPEC_COST_CACHE"
+
+
+def cost_cache_dir(environ: Mapping[str, str] = os.environ):
+    """The step-cost cache directory (a ``pathlib.Path``), or None when it is off."""
+    from pathlib import Path
+
+    raw = environ.get(COST_CACHE_ENV, "").strip()
+    if raw.lower() in ("off", "0", "none"):
+        return None
+    if raw:
+        return Path(raw).expanduser()
+    return Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sglang-dynspec"
 
 
 def env_bool(name: str, default: bool, environ: Mapping[str, str] = os.environ) -> bool:

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import logging
 
-from sglang_dynspec import compat, config
+from sglang_dynspec import compat, config, cost_cache, step_timing
 from sglang_dynspec.catch_up import NoCatchUp, free_memory_note, new_catch_up
 from sglang_dynspec.controller import ModeController
+from sglang_dynspec.cost_model import StepCost
 from sglang_dynspec.plain_graph import PlainGraphKeeper
 from sglang_dynspec.plain_step import run_plain_decode
 from sglang_dynspec.policy import Mode
@@ -85,6 +86,40 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
         if self.settings.plain_cuda_graph:
             self.plain_graphs = PlainGraphKeeper(
                 self.target_worker.model_runner, capture_hidden=self.catch_up.enabled
+            )
+        self._time_step_costs()
+
+    def _time_step_costs(self) -> None:
+        """The goodput policy's step-cost table (``cost_cache``): read from the cache, or
+        timed on this device now, once every graph is captured and before any request
+        (every TP rank runs the same steps: they hold collectives); the first rank's
+        table goes to every rank. Also with ``SGLANG_DYNSPEC_CALIBRATE=1`` under the
+        threshold policy (the table in ``/metrics`` feeds ``bench crossover``)."""
+        wanted = self.controller.policy.needs_estimates or config.env_bool(step_timing.CALIBRATE_ENV, False)
+        if not compat.agree_across_tensor_parallel_ranks(wanted):
+            return
+        graph = self.plain_graphs.graph if self.plain_graphs is not None else None
+        grid = step_timing.default_grid(self, graph)
+        key = compat.step_cost_key(self, grid)
+
+        def measure():
+            samples = step_timing.measure_step_costs(self, graph, *grid)
+            return [StepCost(s.mode, s.batch_size, s.context_len, s.seconds) for s in samples]
+
+        costs = cost_cache.startup_costs(
+            key,
+            config.cost_cache_dir(),
+            measure,
+            compat.agree_across_tensor_parallel_ranks,
+            self._first_rank,
+        )
+        self.controller.set_cost_table(costs.table)
+        if self._first_rank:
+            logger.info(
+                "[sglang-dynspec] step costs (%s in %.1f s; device ms per decode step):\n%s",
+                "read from the cache" if costs.cache_hit else "timed at start-up",
+                costs.seconds,
+                cost_cache.format_table(costs.table),
             )
 
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):

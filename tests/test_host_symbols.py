@@ -286,3 +286,9 @@ def test_decision_modules_are_pure_python(module):
             )
             if top == "sglang_dynspec":
                 assert name.split(".")[1] in pure, f"{module} imports {name}, which is not pure"
+
+
+def test_attributes_assigned_by_tuple_unpacking_are_found():
+    # DecodeCudaGraphRunner.__init__: ``self.capture_bs, self.compile_bs = ...`` (both versions).
+    table = (compat.HostSymbols(compat.DecodeCudaGraphRunner, ("capture_bs", "compile_bs", "no_such_bs")),)
+    assert compat.missing_host_symbols(table) == ["DecodeCudaGraphRunner.no_such_bs"]

@@ -1,0 +1,272 @@
+"""Step costs of both decode modes, measured on the device at start-up (issue 17).
+
+After SGLang's CUDA graphs and the plugin's plain decode graph are captured, and
+before the first request, :func:`measure_step_costs` times
+
+* ``plain``: one plain decode step exactly as the plugin runs it
+  (``plain_step.run_plain_decode`` on the plain decode graph, catch-up off), and
+* ``spec``: one speculative decode step exactly as SGLang runs it when serving
+  (``EAGLEWorkerV2.forward_batch_generation``: draft, verify, draft extend, on their
+  CUDA graphs),
+
+on synthetic decode batches (``compat.synthetic_decode_batch``) over a grid of batch
+sizes and context lengths (:func:`default_grid`). Each point: ``warmup`` untimed
+steps per mode, then the median of ``repeats`` timed ones (CUDA events on CUDA, with a
+synchronize around each step: this is start-up, not the hot path; the host clock
+elsewhere). Points are measured coarse-to-fine (:func:`measurement_order`) until the
+time budget is spent. Every TP rank runs the same steps in the same order (they
+contain collectives): the grid and each go/stop decision are the first rank's.
+
+Torch, ``compat`` and the plugin's own step code only; no SGLang import.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sglang_dynspec import compat
+from sglang_dynspec.device_timer import DeviceTimer
+from sglang_dynspec.plain_step import run_plain_decode
+
+CALIBRATE_ENV = "SGLANG_DYNSPEC_CALIBRATE"
+MODES = ("plain", "spec")
+
+# Batch sizes about 1.5-2x apart, and context lengths, before the limits cut them.
+BATCH_LADDER = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+CONTEXT_LADDER = (128, 512, 2048, 8192)
+# Without CUDA graphs (the CPU test bed, or graphs off) steps are slow and the grid is small.
+EAGER_BATCH_LADDER = (1, 4, 16)
+EAGER_CONTEXT_LADDER = (64, 256)
+
+
+@dataclass(frozen=True)
+class StepCostSample:
+    """Median device time of one decode step of ``mode`` (``"spec"`` or ``"plain"``)
+    for ``batch_size`` requests of ``context_len`` committed tokens each."""
+
+    mode: str
+    batch_size: int
+    context_len: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class StepLimits:
+    """What a measured step may be: within these, it runs as serving runs it."""
+
+    max_batch_size: int  # request rows, max running requests, largest captured graph
+    max_context_len: int  # the model's context length (less the speculative reserve)
+    graph_batch_sizes: tuple[int, ...] | None = None  # captured by every decode graph; None: eager
+
+    def batch_sizes(self, wanted: Sequence[int]) -> list[int]:
+        """``wanted`` within the limits, each as the size a graph replays it at (the
+        next captured size: a smaller batch is padded to it), without duplicates."""
+        out = set()
+        for bs in wanted:
+            if not 1 <= bs <= self.max_batch_size:
+                continue
+            if self.graph_batch_sizes is not None:
+                bs = min((c for c in self.graph_batch_sizes if c >= bs), default=None)
+                if bs is None or bs > self.max_batch_size:
+                    continue
+            out.add(bs)
+        return sorted(out)
+
+    def context_lens(self, wanted: Sequence[int]) -> list[int]:
+        return sorted({c for c in wanted if 1 <= c <= self.max_context_len})
+
+
+def step_limits(spec_worker, plain_graph) -> StepLimits:
+    max_batch, max_context = compat.synthetic_batch_limits(spec_worker)
+    captured = compat.decode_graph_batch_sizes(
+        spec_worker, plain_graph.runner if plain_graph is not None else None
+    )
+    if captured is not None:
+        max_batch = min([max_batch, *captured[-1:]])
+        captured = tuple(captured)
+    return StepLimits(max_batch, max_context, captured)
+
+
+def grid_for(limits: StepLimits) -> tuple[list[int], list[int]]:
+    """The default grid under ``limits``: the batch ladder up to the largest batch
+    (which is always included), and the context ladder up to the context length
+    (at least one context: the context length itself when the ladder's smallest is
+    beyond it). Small when the steps run eagerly."""
+    eager = limits.graph_batch_sizes is None
+    ladder = EAGER_BATCH_LADDER if eager else BATCH_LADDER
+    batch_sizes = limits.batch_sizes([*ladder, limits.max_batch_size])
+    context_lens = limits.context_lens(EAGER_CONTEXT_LADDER if eager else CONTEXT_LADDER)
+    if not context_lens and limits.max_context_len >= 1:
+        context_lens = [limits.max_context_len]
+    return batch_sizes, context_lens
+
+
+def default_grid(spec_worker, plain_graph) -> tuple[list[int], list[int]]:
+    """``(batch_sizes, context_lens)`` to calibrate on this server (see :func:`grid_for`)."""
+    return grid_for(step_limits(spec_worker, plain_graph))
+
+
+def coarse_to_fine(n: int) -> list[int]:
+    """Indices ``0..n-1``: both ends first, then midpoints of ever finer halvings."""
+    if n <= 0:
+        return []
+    order, seen = [], set()
+
+    def add(i: int) -> None:
+        if i not in seen:
+            seen.add(i)
+            order.append(i)
+
+    add(0)
+    add(n - 1)
+    spans = [(0, n - 1)]
+    while spans:
+        finer = []
+        for lo, hi in spans:
+            if hi - lo >= 2:
+                mid = (lo + hi) // 2
+                add(mid)
+                finer += [(lo, mid), (mid, hi)]
+        spans = finer
+    return order
+
+
+def measurement_order(batch_sizes: Sequence[int], context_lens: Sequence[int]) -> list[tuple[int, int]]:
+    """The ``(batch_size, context_len)`` points of the grid, coarse first: the corners
+    (smallest and largest batch at the shortest and longest context), then ever
+    finer. A budget that stops early still leaves the grid covered end to end."""
+    batch_sizes, context_lens = sorted(set(batch_sizes)), sorted(set(context_lens))
+    b_rank = {b: r for r, b in enumerate(coarse_to_fine(len(batch_sizes)))}
+    c_rank = {c: r for r, c in enumerate(coarse_to_fine(len(context_lens)))}
+    points = [(batch_sizes[b], context_lens[c]) for b in b_rank for c in c_rank]
+
+    def key(point):
+        b, c = b_rank[batch_sizes.index(point[0])], c_rank[context_lens.index(point[1])]
+        return max(b, c), b, c
+
+    return sorted(points, key=key)
+
+
+def run_within_budget(
+    points: Sequence[tuple[int, int]],
+    measure: Callable[[int, int], list[StepCostSample]],
+    budget_seconds: float,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    agree: Callable[[object], object] = lambda decision: decision,
+) -> list[StepCostSample]:
+    """Measure ``points`` in order while the budget lasts; return what was measured.
+
+    A point is started only if it is predicted to end within the budget: its cost is
+    predicted by the cheapest measured point at least as large in both dimensions
+    (the coarse order measures the largest corner early); a point with no such
+    predictor is started while any budget is left. ``agree`` makes every rank take
+    the first rank's decision.
+    """
+    samples: list[StepCostSample] = []
+    took: dict[tuple[int, int], float] = {}
+    start = clock()
+    for bs, ctx in points:
+        elapsed = clock() - start
+        larger = [t for (b, c), t in took.items() if b >= bs and c >= ctx]
+        predicted = min(larger) if larger else 0.0
+        if not agree(elapsed < budget_seconds and elapsed + predicted <= budget_seconds):
+            break
+        began = clock()
+        samples += measure(bs, ctx)
+        took[(bs, ctx)] = clock() - began
+    return samples
+
+
+def median_step_seconds(step: Callable[[], object], device, *, warmup: int, repeats: int) -> float:
+    """Median wall time of ``step`` on ``device`` over ``repeats`` runs after
+    ``warmup`` untimed ones. On CUDA each run is bracketed by events and the device
+    is synchronized before and after it (start-up only)."""
+    cuda = torch.device(device).type == "cuda"
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(max(1, repeats)):
+        if cuda:
+            torch.cuda.synchronize(device)
+        timer = DeviceTimer.start(device)
+        step()
+        timer.stop()
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append(timer.seconds())
+    return statistics.median(times)
+
+
+def measure_point(spec_worker, plain_graph, batch_size: int, context_len: int, *, warmup: int, repeats: int):
+    """Both modes at one point, on one synthetic batch (built, then put back)."""
+    with compat.synthetic_decode_batch(spec_worker, batch_size, context_len) as synthetic:
+        steps = {
+            "plain": lambda: run_plain_decode(spec_worker, synthetic.next_batch(), plain_graph),
+            "spec": lambda: compat.run_speculative_decode(spec_worker, synthetic.next_batch()),
+        }
+        return [
+            StepCostSample(
+                mode,
+                batch_size,
+                context_len,
+                median_step_seconds(steps[mode], spec_worker.device, warmup=warmup, repeats=repeats),
+            )
+            for mode in MODES
+        ]
+
+
+def measure_step_costs(
+    spec_worker,
+    plain_graph,
+    batch_sizes: Sequence[int],
+    context_lens: Sequence[int],
+    *,
+    warmup: int = 2,
+    repeats: int = 3,
+    budget_seconds: float = 15.0,
+    agree: Callable[[object], object] = compat.agree_across_tensor_parallel_ranks,
+) -> list[StepCostSample]:
+    """Time a plain and a speculative decode step at each grid point, coarse to fine,
+    until ``budget_seconds`` is spent; return the samples measured (two per point).
+
+    ``plain_graph``: the plain decode graph (``PlainDecodeGraph``) the plain steps
+    replay, or None (eager, as the worker runs them then). Batch sizes beyond the
+    request pool, the max running requests or the largest captured decode graph, and
+    contexts beyond the model's, are left out (:class:`StepLimits`): such steps would
+    not run as serving runs them. Every TP rank must call this at the same point.
+    """
+    limits = step_limits(spec_worker, plain_graph)
+    points = agree(measurement_order(limits.batch_sizes(batch_sizes), limits.context_lens(context_lens)))
+    return run_within_budget(
+        points,
+        lambda bs, ctx: measure_point(spec_worker, plain_graph, bs, ctx, warmup=warmup, repeats=repeats),
+        budget_seconds,
+        agree=agree,
+    )
+
+
+def format_step_costs(samples: Sequence[StepCostSample], seconds: float) -> str:
+    """The samples as one log block: per context length, the plain and spec
+    milliseconds per batch size (``-`` where the budget left a point out)."""
+    by_point = {(s.mode, s.batch_size, s.context_len): s.seconds for s in samples}
+    batch_sizes = sorted({s.batch_size for s in samples})
+    context_lens = sorted({s.context_len for s in samples})
+    points = len({(s.batch_size, s.context_len) for s in samples})
+    lines = [
+        f"[sglang-dynspec] step costs, ms per decode step ({points} points, calibrated in {seconds:.1f} s):"
+    ]
+    for ctx in context_lens:
+        lines.append(f"  context {ctx:>6} | batch {''.join(f'{bs:>9}' for bs in batch_sizes)}")
+        for mode in MODES:
+            cells = "".join(
+                f"{by_point[(mode, bs, ctx)] * 1e3:>9.3f}" if (mode, bs, ctx) in by_point else f"{'-':>9}"
+                for bs in batch_sizes
+            )
+            lines.append(f"  {'':14} | {mode:<5} {cells}")
+    return "\n".join(lines)
