@@ -37,16 +37,18 @@ import copy
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from sglang_dynspec import compat
 from sglang_dynspec.compat import ForwardMode, ScheduleBatch
 from sglang_dynspec.device_timer import DeviceTimer, HostCopy
+from sglang_dynspec.metric_names import CatchUpReason
 
 # Reports a queued catch-up: (reason, requests, tokens, timer) -> None
 # (``controller.ModeController.on_catch_up``).
-CatchUpReport = Callable[[str, int, int, DeviceTimer], None]
+CatchUpReport = Callable[[CatchUpReason, int, int, DeviceTimer], None]
 
 
 def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
@@ -330,6 +332,27 @@ def with_draft_state_rows(draft_input, rows: torch.Tensor, fresh) -> None:
         setattr(draft_input, name, old.index_copy(0, rows, new.to(old.dtype)))
 
 
+class CatchUp(Protocol):
+    """What the worker calls at the edges of every step (``worker.py``).
+
+    Decode steps: ``before_plain_step``, the plain forward, ``after_plain_step``; or
+    ``before_speculative_step`` and the speculative step. Prefill and mixed steps:
+    ``before_extend_step``. ``enabled``: plain forwards must capture the target's
+    auxiliary hidden states (``after_plain_step`` logs them).
+    """
+
+    enabled: bool
+    nbytes: int  # device memory held
+
+    def before_plain_step(self, batch: ScheduleBatch) -> None: ...
+
+    def after_plain_step(self, input_ids: torch.Tensor, aux_hidden) -> None: ...
+
+    def before_speculative_step(self, batch: ScheduleBatch) -> None: ...
+
+    def before_extend_step(self, batch: ScheduleBatch) -> None: ...
+
+
 class NoCatchUp:
     """The catch-up turned off (``--speculative-catch-up-tokens 0``): the draft resumes
     from the state the last speculative step left."""
@@ -338,9 +361,9 @@ class NoCatchUp:
     nbytes = 0
 
     def before_plain_step(self, batch: ScheduleBatch) -> None:
-        return None
+        pass
 
-    def record(self, pool_indices, batch, plain_batch, aux_hidden) -> None:
+    def after_plain_step(self, input_ids: torch.Tensor, aux_hidden) -> None:
         pass
 
     def before_speculative_step(self, batch: ScheduleBatch) -> None:
@@ -350,58 +373,85 @@ class NoCatchUp:
         pass
 
 
+@dataclass(frozen=True)
+class DraftPasses:
+    """The two draft passes a catch-up runs, bound to one worker (``compat.draft_passes``).
+
+    ``extend(batch, hidden, tails)`` writes the draft KV of an EXTEND batch and returns
+    the draft state of each request's last position (SGLang's prefill pass);
+    ``fill_kv(batch, hidden, tails, last_rows)`` writes the draft KV only.
+    """
+
+    extend: Callable[[ScheduleBatch, torch.Tensor, torch.Tensor], object]
+    fill_kv: Callable[[ScheduleBatch, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
 class DraftCatchUp:
     """Keeps the draft model current across plain steps (see the module docstring).
 
-    ``plain_step.run_plain_decode`` calls ``before_plain_step`` and ``record`` around
-    each plain step; the worker calls ``before_speculative_step`` before a speculative
-    decode step and ``before_extend_step`` before a prefill or mixed step. Each
-    catch-up is reported to ``report`` with a device timer.
+    Built from values: the request-to-token table ``[pool_size, max_context]``, the
+    width and dtype of the target's auxiliary hidden states, the two draft passes, and
+    ``report``, which gets each catch-up with a device timer.
     """
 
     enabled = True
 
-    def __init__(self, spec_worker, capacity: int, report: CatchUpReport):
-        self.worker = spec_worker
+    def __init__(
+        self,
+        req_to_token: torch.Tensor,
+        capacity: int,
+        hidden_width: int,
+        hidden_dtype: torch.dtype,
+        passes: DraftPasses,
+        report: CatchUpReport,
+    ):
+        self.req_to_token = req_to_token
+        self.device = req_to_token.device
+        self.passes = passes
         self.report = report
         self.log = PlainGapLog(
-            pool_size=compat.request_pool_size(spec_worker),
+            pool_size=int(req_to_token.shape[0]),
             capacity=capacity,
-            hidden_width=compat.target_hidden_width(spec_worker),
-            hidden_dtype=compat.target_hidden_dtype(spec_worker),
-            device=spec_worker.device,
+            hidden_width=hidden_width,
+            hidden_dtype=hidden_dtype,
+            device=self.device,
         )
+        # The plain step between before_plain_step and after_plain_step: its request
+        # slots, on the host and on the device.
+        self._step: tuple[list[int], torch.Tensor] | None = None
 
     @property
     def nbytes(self) -> int:
         return self.log.nbytes
 
-    def before_plain_step(self, batch: ScheduleBatch) -> list[int]:
-        """If some request's log is full, catch every gap of the batch up. Returns the
-        batch's request slots, for ``record``."""
-        pool_indices = compat.request_pool_indices(batch.reqs)
-        if self.log.is_full(pool_indices):
-            self._catch_up_decode_batch(batch, pool_indices, "buffer_full")
+    def before_plain_step(self, batch: ScheduleBatch) -> None:
+        """If some request's log is full, catch every gap of the batch up; note where new
+        gaps start."""
+        slots = compat.request_pool_indices(batch.reqs)
+        if self.log.is_full(slots):
+            self._catch_up_decode_batch(batch, slots, CatchUpReason.BUFFER_FULL)
         # The pending token of each request sits at position seq_lens (fresh_batch).
-        self.log.start_gaps(pool_indices, batch.seq_lens)
-        return pool_indices
+        self.log.start_gaps(slots, batch.seq_lens)
+        self._step = (slots, batch.req_pool_indices)
 
-    def record(
-        self, pool_indices: list[int], batch: ScheduleBatch, plain_batch: ScheduleBatch, aux_hidden
-    ) -> None:
-        """Log the positions a plain step just decoded (``aux_hidden`` ``[bs, 3H]``)."""
+    def after_plain_step(self, input_ids: torch.Tensor, aux_hidden) -> None:
+        """Log the positions the plain step just decoded: ``input_ids`` ``[bs]`` its input
+        tokens, ``aux_hidden`` ``[bs, 3H]`` the target's auxiliary hidden states."""
+        if self._step is None:
+            raise RuntimeError("after_plain_step without before_plain_step")
+        (slots, slots_device), self._step = self._step, None
         if aux_hidden is None:
             raise RuntimeError(
                 "the plain decode step returned no hidden states; the draft catch-up needs "
                 "the target's auxiliary hidden states (FULL capture)"
             )
-        self.log.record(pool_indices, batch.req_pool_indices, plain_batch.input_ids, aux_hidden)
+        self.log.record(slots, slots_device, input_ids, aux_hidden)
 
     def before_speculative_step(self, batch: ScheduleBatch) -> None:
         """Resume: replay the gaps and hand the speculative step fresh draft state."""
-        pool_indices = compat.request_pool_indices(batch.reqs)
-        if any(self.log.gap[i] for i in pool_indices):
-            self._catch_up_decode_batch(batch, pool_indices, "resume")
+        slots = compat.request_pool_indices(batch.reqs)
+        if any(self.log.gap[i] for i in slots):
+            self._catch_up_decode_batch(batch, slots, CatchUpReason.RESUME)
 
     def before_extend_step(self, batch: ScheduleBatch) -> None:
         """Prefill or mixed step: catch the decoding requests of a mixed batch up (their
@@ -411,49 +461,61 @@ class DraftCatchUp:
         dropped."""
         decoding = {id(req) for req in (getattr(batch, "decoding_reqs", None) or ())}
         rows = [r for r, req in enumerate(batch.reqs) if id(req) in decoding]
-        pool_indices = compat.request_pool_indices(batch.reqs)
+        slots = compat.request_pool_indices(batch.reqs)
         if rows and batch.input_ids is not None:
             starts = list(itertools.accumulate(batch.extend_lens, initial=0))
-            gap_rows = self.log.gap_rows(
-                [pool_indices[r] for r in rows], [batch.prefix_lens[r] for r in rows]
-            )
+            gap_rows = self.log.gap_rows([slots[r] for r in rows], [batch.prefix_lens[r] for r in rows])
             if len(gap_rows):
                 batch_rows = [rows[k] for k in gap_rows.rows]
                 gap_rows = GapRows(batch_rows, gap_rows.pool_indices, gap_rows.gaps, gap_rows.committed_lens)
                 tail_at = to_device([starts[r] for r in batch_rows], torch.int64, batch.input_ids.device)
-                self._catch_up(batch, gap_rows, batch.input_ids[tail_at], "mixed")
+                self._catch_up(batch, gap_rows, batch.input_ids[tail_at], CatchUpReason.MIXED)
         # Every other log of the batch is dropped: a slot being prefilled, or a decoding
         # request whose gap could not be replayed here (no input ids); its tail is
         # drafted by this step, so later plain positions would not continue the gap.
-        self.log.forget(pool_indices, batch.req_pool_indices)
+        self.log.forget(slots, batch.req_pool_indices)
 
-    def _catch_up_decode_batch(self, batch: ScheduleBatch, pool_indices: list[int], reason: str) -> None:
-        gap_rows = self.log.gap_rows(pool_indices)
+    def _catch_up_decode_batch(self, batch: ScheduleBatch, slots: list[int], reason: CatchUpReason) -> None:
+        gap_rows = self.log.gap_rows(slots)
         if not len(gap_rows):
             return
         draft_input = batch.spec_info
         rows = to_device(gap_rows.rows, torch.int64, batch.seq_lens.device)
         fresh = self._catch_up(batch, gap_rows, compat.pending_tokens(draft_input)[rows], reason)
-        if reason == "resume":
+        if reason is CatchUpReason.RESUME:
             with_draft_state_rows(draft_input, rows, fresh)
 
-    def _catch_up(self, batch: ScheduleBatch, gap_rows: GapRows, tails: torch.Tensor, reason: str):
+    def _catch_up(self, batch: ScheduleBatch, gap_rows: GapRows, tails: torch.Tensor, reason: CatchUpReason):
         """Replay ``gap_rows``' gaps into the draft; return the draft's fresh state
         (proposals from each request's last position), or None for a buffer-full
         flush: the plain step that follows starts a new gap, and the catch-up at
         resume produces the state the draft needs, so that flush only writes KV
         (``compat.fill_draft_kv``, one batched rotation instead of SGLang's
         per-request loop, no sampling)."""
-        timer = DeviceTimer.start(self.worker.device)
+        timer = DeviceTimer.start(self.device)
         hidden, tokens = self.log.gather(gap_rows)
-        ext = build_catch_up_batch(batch, gap_rows, tokens, self.worker.req_to_token_pool.req_to_token)
-        if reason == "buffer_full":
+        ext = build_catch_up_batch(batch, gap_rows, tokens, self.req_to_token)
+        if reason is CatchUpReason.BUFFER_FULL:
             last_rows = to_device(gap_rows.last_positions(), torch.int64, tokens.device)
-            compat.fill_draft_kv(self.worker, ext, hidden, tails, last_rows)
+            self.passes.fill_kv(ext, hidden, tails, last_rows)
             fresh = None
         else:
-            fresh = compat.run_draft_extend(self.worker, ext, hidden, tails)
+            fresh = self.passes.extend(ext, hidden, tails)
         self.log.forget(gap_rows.pool_indices)
         timer.stop()
         self.report(reason, len(gap_rows), gap_rows.num_tokens, timer)
         return fresh
+
+
+def new_catch_up(spec_worker, capacity: int, report: CatchUpReport) -> CatchUp:
+    """The catch-up of ``spec_worker`` with ``capacity`` positions per request (0: none)."""
+    if not capacity:
+        return NoCatchUp()
+    return DraftCatchUp(
+        req_to_token=compat.request_to_token_table(spec_worker),
+        capacity=capacity,
+        hidden_width=compat.target_hidden_width(spec_worker),
+        hidden_dtype=compat.target_hidden_dtype(spec_worker),
+        passes=DraftPasses(*compat.draft_passes(spec_worker)),
+        report=report,
+    )

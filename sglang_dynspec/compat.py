@@ -92,9 +92,12 @@ __all__ = [
     "agree_across_tensor_parallel_ranks",
     "SyntheticDecodeBatch",
     "decode_batch_size",
+    "draft_steps",
+    "mean_context_len",
     "decode_graph_batch_sizes",
     "gather_across_tensor_parallel_ranks",
     "draft_extend_contexts",
+    "draft_passes",
     "fill_draft_kv",
     "is_decode_step",
     "is_idle_step",
@@ -110,6 +113,7 @@ __all__ = [
     "request_pool_index",
     "request_pool_indices",
     "request_pool_size",
+    "request_to_token_table",
     "run_draft_extend",
     "run_speculative_decode",
     "run_target_decode",
@@ -164,6 +168,11 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
             "model_path",
             "speculative_draft_model_path",
             "speculative_draft_model_revision",
+            "speculative_num_steps",
+            "speculative_eagle_topk",
+            "speculative_num_draft_tokens",
+            "attention_backend",
+            "disable_cuda_graph",
             "pp_size",
             "enable_dp_attention",
             "enable_two_batch_overlap",
@@ -196,6 +205,7 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
             "draft_worker",
             "req_to_token_pool",
             "device",
+            "server_args",
             "last_shared_read_runner|war_fastpath_runner",
         ),
     ),
@@ -282,7 +292,17 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
         ),
     ),
     HostSymbols(ReqKvInfo, ("req_pool_idx?",)),  # 0.5.23's home of the request's row
-    HostSymbols(Req, ("kv|req_pool_idx", "rid", "spec_num_correct_drafts", "spec_verify_ct")),
+    HostSymbols(
+        Req,
+        (
+            "kv|req_pool_idx",
+            "rid",
+            "spec_num_correct_drafts",
+            "spec_verify_ct",
+            "origin_input_ids",
+            "output_ids",
+        ),
+    ),
     HostSymbols(ReqToTokenPool, ("req_to_token",)),
     HostSymbols(
         SamplingBatchInfo,
@@ -570,6 +590,46 @@ def decode_batch_size(batch: ScheduleBatch) -> int:
     return len(batch.reqs)
 
 
+def mean_context_len(batch: ScheduleBatch) -> float:
+    """Mean KV length of the decode batch's requests, from host values identical on every
+    TP rank (the requests' token lists; ``seq_lens_sum`` is often None at decode)."""
+    reqs = batch.reqs
+    if not reqs:
+        return 0.0
+    return sum(len(r.origin_input_ids) + len(r.output_ids) for r in reqs) / len(reqs)
+
+
+def step_cost_key(spec_worker, grid) -> dict:
+    """What a start-up step-cost table is valid for (``cost_cache``): the device, the
+    target and draft, SGLang and plugin versions, the speculative shape, the parallel
+    layout and the timed grid."""
+    import torch
+
+    from sglang_dynspec import __version__
+
+    args = spec_worker.server_args
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {
+        "device": device,
+        "sglang": SGLANG_VERSION,
+        "plugin": __version__,
+        "target": str(args.model_path),
+        "draft": str(args.speculative_draft_model_path),
+        "dtype": str(target_hidden_dtype(spec_worker)),
+        "spec": [args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens],
+        "tp": parallel_state.get_tensor_model_parallel_world_size(),
+        "attention": str(getattr(args, "attention_backend", None)),
+        "cuda_graph": not getattr(args, "disable_cuda_graph", False),
+        "grid": [list(grid[0]), list(grid[1])],
+    }
+
+
+def draft_steps(server_args) -> int:
+    """Draft steps per speculative step (``--speculative-num-steps``); a step accepts at
+    most this many drafts plus the bonus token."""
+    return int(server_args.speculative_num_steps)
+
+
 def needs_per_token_penalties(batch: ScheduleBatch) -> bool:
     """True if a request of ``batch`` uses frequency, presence or repetition penalties.
 
@@ -605,8 +665,18 @@ def target_hidden_dtype(spec_worker):
     return spec_worker.target_worker.model_runner.model_config.dtype
 
 
+def request_to_token_table(spec_worker):
+    """``[pool_size, max_context]`` the KV slot of each request row's positions."""
+    return spec_worker.req_to_token_pool.req_to_token
+
+
 def request_pool_size(spec_worker) -> int:
-    return int(spec_worker.req_to_token_pool.req_to_token.shape[0])
+    return int(request_to_token_table(spec_worker).shape[0])
+
+
+def draft_passes(spec_worker) -> tuple[Callable, Callable]:
+    """``(run_draft_extend, fill_draft_kv)`` bound to ``spec_worker`` (the catch-up's two passes)."""
+    return functools.partial(run_draft_extend, spec_worker), functools.partial(fill_draft_kv, spec_worker)
 
 
 # --------------------------------------------------------------------------- calls

@@ -96,10 +96,11 @@ DEFAULT_POLICY = "threshold"
 POLICY = Flag(
     "--speculative-dynamic-policy",
     "SGLANG_DYNSPEC_POLICY",
-    f"{ALGORITHM_NAME}: when to speculate. threshold: by the decode batch size (the two "
-    "batch thresholds); goodput: while measured tokens/s of speculation beat plain decode "
-    "(measured step times and acceptance; --speculative-disable-batch-threshold, if given, "
-    f"is a hard upper bound). Default {DEFAULT_POLICY}.",
+    f"{ALGORITHM_NAME}: when to speculate. goodput: while the predicted tokens/s of "
+    "speculation beat plain decode (step costs timed at start-up and corrected online, "
+    "acceptance measured in both modes; --speculative-disable-batch-threshold, if given, is a "
+    "hard upper bound); threshold: by the decode batch size alone (the two batch thresholds). "
+    f"Default {DEFAULT_POLICY}.",
     choices=POLICIES,
 )
 PENALTY_MODES = ("exact", "relaxed")
@@ -141,6 +142,20 @@ PLAIN_CUDA_GRAPH_ENV = "SGLANG_DYNSPEC_PLAIN_CUDA_GRAPH"
 REQUEST_MODES_ENV = "SGLANG_DYNSPEC_REQUEST_MODES"
 REQUEST_MODES_KEY = "spec_dynamic_step_modes"
 ENABLED_ENV = "SGLANG_DYNSPEC_ENABLED"
+# Where the start-up step-cost tables are cached (cost_cache); "off" disables the cache.
+COST_CACHE_ENV = "SGLANG_DYNSPEC_COST_CACHE"
+
+
+def cost_cache_dir(environ: Mapping[str, str] = os.environ):
+    """The step-cost cache directory (a ``pathlib.Path``), or None when it is off."""
+    from pathlib import Path
+
+    raw = environ.get(COST_CACHE_ENV, "").strip()
+    if raw.lower() in ("off", "0", "none"):
+        return None
+    if raw:
+        return Path(raw).expanduser()
+    return Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sglang-dynspec"
 
 
 def env_bool(name: str, default: bool, environ: Mapping[str, str] = os.environ) -> bool:
@@ -316,13 +331,15 @@ def _default_thresholds(environ: Mapping[str, str]) -> SwitchThresholds:
     )
 
 
-def build_policy(settings: Settings) -> ModePolicy:
-    """The mode policy the settings ask for."""
+def build_policy(settings: Settings, max_acceptance: float = 4.0) -> ModePolicy:
+    """The mode policy the settings ask for (``max_acceptance``: the most tokens one
+    speculative step can give, ``--speculative-num-draft-tokens``)."""
     if settings.policy == "goodput":
         return GoodputPolicy(
             GoodputSettings(
                 min_dwell_steps=max(1, settings.thresholds.min_dwell_steps),
                 max_spec_batch=settings.speculation_bound,
+                max_acceptance=max(1.0, max_acceptance),
             )
         )
     return ThresholdPolicy(settings.thresholds)

@@ -1,93 +1,165 @@
 """The goodput policy's inputs, measured on each rank and agreed across ranks.
 
-* **Step times**: the host wall time from one decode step's start to the next's, when
-  both ran in the same mode with nothing in between (no prefill or mixed step) and
-  not right after a switch (a resume's catch-up, a lagging result). Under the overlap
-  scheduler that is the steady-state time per step of the pipeline, which is what
-  tokens per second divide by. Rank-local, so they reach the policy only through
-  ``agree`` (rank 0's table broadcast to every TP rank), every ``agree_every`` decode
-  steps: between two agreements every rank's policy sees the same snapshot.
-* **Acceptance**: the increase of the scheduler's per-request host counters
-  (``spec_num_correct_drafts``, ``spec_verify_ct``) over stretches of speculative steps;
-  identical on every rank by construction. With ``SGLANG_SIMULATE_ACC_LEN`` set
-  (benchmarks only) the simulated value is used instead, and the start-up log says so.
+* **Step costs**: the start-up table (``cost_model.StepCostTable``, the same on every
+  rank: the first rank's measurement, broadcast), corrected by the ratio of measured to
+  predicted step time per mode and batch-size bucket. Measured: the device time of every
+  decode step's forward (``on_step_device_time``; steps that ran a catch-up excepted, it is
+  timed on its own), and the host time between two decode steps of the same mode with
+  nothing between them, the second of a run or later. Neither needs a quiet stretch of
+  steps, so prefills between decode steps slow the correction down, they do not stop it.
+* **Acceptance**: speculating, the increase of the scheduler's per-request host counters
+  (``spec_num_correct_drafts``, ``spec_verify_ct``; identical on every rank) once
+  ``SETTLE_STEPS`` speculative steps have run since the last plain one (under the overlap
+  scheduler a plain step's result is processed after the next step has started, and
+  the counters count it as a verify with no accepted draft). Plain, the draft catch-up's
+  replay: the share of replayed positions where the draft's top-1 proposal is the token
+  the target decoded (``on_replay``), turned into the expected accept length of the
+  configured chain (``goodput.expected_accept_length``) and scaled by how the last such
+  estimate compared with the counters that followed it (the replay drafts from the
+  target's hidden states at every step; a real chain does so at its first step only).
+  The policy gets the most recently measured one. With ``SGLANG_SIMULATE_ACC_LEN`` set
+  (benchmarks only) the counters show the simulated value; the plain-mode estimate
+  takes the simulated value and the start-up log says so.
+* **Catch-up cost**: device seconds per replayed position of the catch-ups so far.
 
-Pure Python: the clock and the agreement are injected.
+Rank-local values (device and host times, replay shares, catch-up times) reach the
+policy only through ``agree`` (the first rank's values handed to every rank), every
+``agree_every`` decode steps, so every rank's policy sees the same snapshot. Pure
+Python: the clock and the agreement are injected.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
 
-from sglang_dynspec.goodput import AcceptanceMeter, Estimates, StepTimes
+from sglang_dynspec.cost_model import CostCorrections, CostModel, StepCostTable
+from sglang_dynspec.goodput import Estimates, expected_accept_length
 from sglang_dynspec.policy import Mode
 
-# Decode steps after a switch whose timing and accept counters are not used: the
-# first pays the resume's catch-up, and the overlap scheduler processes a step's
-# result one step late.
+# Speculative steps after a plain one whose accept counters are not used (see above).
 SETTLE_STEPS = 2
 
 AcceptCounters = Iterable[tuple[object, int, int]]  # (request id, correct drafts, verify steps)
 
 
+class _Average:
+    """An exponential moving average; None until the first sample."""
+
+    def __init__(self, alpha: float):
+        self.alpha, self.value = alpha, None
+
+    def add(self, sample: float) -> None:
+        if not math.isfinite(sample):
+            return
+        self.value = sample if self.value is None else self.value + self.alpha * (sample - self.value)
+
+
 class EstimateFeed:
-    """Measures, agrees and hands :class:`Estimates` to a goodput policy."""
+    """Measures, agrees and hands :class:`goodput.Estimates` to the goodput policy."""
 
     def __init__(
         self,
         agree: Callable[[dict], dict],
+        *,
+        draft_steps: int = 3,
         agree_every: int = 16,
         simulated_acceptance: float | None = None,
+        table: StepCostTable | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):
         self._agree, self._agree_every, self._clock = agree, agree_every, clock
-        self._simulated = simulated_acceptance
-        self.times = StepTimes()
-        self.acceptance = AcceptanceMeter()
-        self._last: tuple[float, Mode, int] | None = None  # (start, mode, batch size) of the last decode step
-        self._same_mode_run = 0  # decode steps in a row in the current mode, with nothing between
+        self._draft_steps = draft_steps
+        self.simulated_acceptance = simulated_acceptance
+        self.table = table
+        self.corrections = CostCorrections()
+        self._counter_acceptance = _Average(0.2)
+        # A replay covers many positions at once: a sample weighs more than one step's counters.
+        self._replay_agreement = _Average(0.5)
+        self._replay_bias = _Average(0.5)  # counters / replay estimate, when both were fresh
+        self._catch_up = [0.0, 0]  # device seconds, positions
         self._counters: dict[object, tuple[int, int]] = {}
+        # Decode step of each source's last sample: the freshest one wins.
+        self._fresh = {"counters": -1, "replay": -1}
+        self._last: tuple[float, Mode, int, float] | None = None  # start, mode, batch, context
+        self._run = 0  # decode steps in a row in the current mode, nothing between
+        self._mode_run = 0  # decode steps in the current mode since the last switch (prefills allowed)
+        self._mode: Mode | None = None
+        self._phase_start = 0  # decode step at which the current mode began
         self._steps = 0
         self.estimates = Estimates()
+
+    # -------------------------------------------------------------- rank-local inputs
+    def set_table(self, table: StepCostTable) -> None:
+        """The start-up table (the same on every rank)."""
+        self.table = table
 
     def on_other_step(self) -> None:
         """A prefill, mixed or idle step ran: the time since the last decode step is not a step time."""
         self._last = None
-        self._same_mode_run = 0
+        self._run = 0
 
+    def on_step_device_time(self, mode: Mode, batch_size: int, context_len: float, seconds: float) -> None:
+        """The device time of one decode step's forward, read once the device ran it."""
+        predicted = self.table.seconds(mode, batch_size, context_len) if self.table is not None else None
+        if predicted:
+            self.corrections.observe("device", mode, batch_size, seconds, predicted)
+
+    def on_replay(self, matches: int, positions: int) -> None:
+        """A catch-up compared the draft's top-1 proposal with the target's token at
+        ``positions`` replayed positions, ``matches`` of which agreed."""
+        if positions > 0:
+            self._replay_agreement.add(matches / positions)
+            self._fresh["replay"] = self._steps
+
+    def on_catch_up_time(self, positions: int, seconds: float) -> None:
+        if positions > 0 and seconds >= 0:
+            self._catch_up[0] += seconds
+            self._catch_up[1] += positions
+
+    # ---------------------------------------------------------------- per decode step
     def before_decode(
-        self, batch_size: int, counters: Callable[[], AcceptCounters] | None
+        self, batch_size: int, context_len: float, counters: Callable[[], AcceptCounters] | None
     ) -> Estimates | None:
         """Called before each decode step's decision; returns new agreed estimates every
         ``agree_every`` steps (the same steps on every rank), else None."""
         now = self._clock()
-        if self._last is not None and self._same_mode_run > SETTLE_STEPS:
-            start, mode, size = self._last
-            self.times.record(mode, size, now - start)
-        if self._simulated is None and counters is not None and self._last is not None:
-            if self._last[1] is Mode.SPEC and self._same_mode_run > SETTLE_STEPS:
-                self._observe(counters())
-            else:
-                self._counters.clear()  # deltas across plain steps would count them as rejections
+        if self._last is not None and self._run >= 2 and self.table is not None:
+            start, mode, size, ctx = self._last
+            predicted = self.table.seconds(mode, size, ctx)
+            if predicted:
+                self.corrections.observe("host", mode, size, now - start, predicted)
+        if counters is not None and self._mode is Mode.SPEC and self._mode_run > SETTLE_STEPS:
+            self._observe(counters())
+        else:
+            self._counters.clear()  # deltas across plain steps would count them as rejections
         self._steps += 1
         if self._steps % self._agree_every:
             return None
-        agreed = self._agree(dict(self.times.seconds))
-        acceptance, source = (
-            (self._simulated, "simulated")
-            if self._simulated is not None
-            else (self.acceptance.value, "measured" if self.acceptance.value is not None else "none")
+        agreed = self._agree(
+            {
+                "corrections": self.corrections.snapshot(),
+                "replay": self._replay_agreement.value,
+                "replay_step": self._fresh["replay"],
+                "catch_up": list(self._catch_up),
+            }
         )
-        self.estimates = Estimates(acceptance=acceptance, acceptance_source=source, step_seconds=agreed)
+        self.estimates = self._estimates(agreed)
         return self.estimates
 
-    def after_decision(self, mode: Mode, batch_size: int) -> None:
-        """The decode step about to run: ``mode`` at ``batch_size``."""
+    def after_decision(self, mode: Mode, batch_size: int, context_len: float) -> None:
+        """The decode step about to run: ``mode`` at ``batch_size`` requests."""
         same = self._last is not None and self._last[1] is mode
-        self._same_mode_run = self._same_mode_run + 1 if same else 1
-        self._last = (self._clock(), mode, batch_size)
+        self._run = self._run + 1 if same else 1
+        if mode is not self._mode:
+            self._mode_run, self._phase_start = 1, self._steps
+        else:
+            self._mode_run += 1
+        self._mode = mode
+        self._last = (self._clock(), mode, batch_size, context_len)
 
+    # ----------------------------------------------------------------------- helpers
     def _observe(self, counters: AcceptCounters) -> None:
         correct = verify = 0
         seen = {}
@@ -98,4 +170,46 @@ class EstimateFeed:
                 correct += c - old[0]
                 verify += v - old[1]
         self._counters = seen
-        self.acceptance.observe(correct, verify)
+        if verify > 0:
+            if self._fresh["counters"] < self._phase_start:
+                self._counter_acceptance.value = None  # a new speculative phase: start afresh
+            self._counter_acceptance.add(1.0 + correct / verify)
+            self._fresh["counters"] = self._steps
+
+    def replay_acceptance(self, agreement: float | None) -> float | None:
+        """The expected accept length the replay's agreement share predicts, bias-corrected."""
+        if self.simulated_acceptance is not None:
+            return self.simulated_acceptance
+        if agreement is None:
+            return None
+        bias = self._replay_bias.value if self._replay_bias.value is not None else 1.0
+        return max(1.0, expected_accept_length(agreement, self._draft_steps) * bias)
+
+    def _estimates(self, agreed: dict) -> Estimates:
+        costs = None if self.table is None else CostModel.with_snapshot(self.table, agreed["corrections"])
+        seconds, positions = agreed["catch_up"]
+        counted = self._counter_acceptance.value
+        replayed = self.replay_acceptance(agreed["replay"])
+        replay_step = agreed["replay_step"]
+        # How the replay's estimate compared with the counters measured after it.
+        if counted is not None and replayed is not None and self.simulated_acceptance is None:
+            raw = expected_accept_length(agreed["replay"], self._draft_steps)
+            if self._fresh["counters"] > replay_step >= 0 and raw > 0:
+                self._replay_bias.add(counted / raw)
+        if replayed is not None and (counted is None or replay_step >= self._fresh["counters"]):
+            acceptance, source = (
+                replayed,
+                ("simulated" if self.simulated_acceptance is not None else "replay"),
+            )
+        elif counted is not None:
+            acceptance, source = counted, "counters"
+        elif self.simulated_acceptance is not None:
+            acceptance, source = self.simulated_acceptance, "simulated"
+        else:
+            acceptance, source = None, "none"
+        return Estimates(
+            costs=costs,
+            acceptance=acceptance,
+            acceptance_source=source,
+            catch_up_seconds_per_token=seconds / positions if positions else 0.0,
+        )

@@ -1,83 +1,107 @@
-"""The goodput policy: speculate exactly when it yields more tokens per second.
+"""The goodput policy (the default): speculate exactly when it yields more tokens per second.
 
-Pure Python (no torch, no SGLang). Per decode step, with ``B`` the decode batch size:
+Pure Python (no torch, no SGLang). Per decode step, with ``B`` requests of mean context
+``c``, ``a`` the expected tokens per request per speculative step (accepted drafts plus
+the bonus token) and ``t_mode(B, c)`` the cost model's step time (``cost_model``):
 
-    predicted tokens/s, speculative:  B * acceptance / t_spec(B)
-    predicted tokens/s, plain:        B / t_plain(B)
-    R = acceptance * t_plain(B) / t_spec(B)
+    predicted tokens/s, speculative:  B * a / t_spec(B, c)
+    predicted tokens/s, plain:        B / t_plain(B, c)
+    R = a * t_plain(B, c) / t_spec(B, c)
 
-``acceptance`` is the expected tokens per request per speculative step (accepted drafts
-plus the bonus token); ``t_mode(B)`` the measured wall time of one decode step in that
-mode at batch sizes of ``B``'s bucket. Speculating, the policy turns plain when
-``R < 1 - margin``; plain, it speculates again when ``R > 1 + margin``; never sooner
-than ``min_dwell_steps`` after the last switch. Where one mode has not been measured
-at ``B``'s bucket yet, the policy *probes* it: it switches (dwell allowing) and stays
-``min_dwell_steps`` steps, once per bucket and mode every ``reprobe_every`` decode steps.
-Re-probing is also how a plain phase notices that acceptance has risen: acceptance is
-only measured while speculating.
+* speculating, it turns plain when ``R < 1 - margin``;
+* plain, it speculates again when ``D * a * t_plain > (1 + margin) * (D * t_spec + C)``:
+  the first ``D = min_dwell_steps`` speculative steps must also pay for the resume's
+  catch-up, ``C`` = the positions to replay times the measured catch-up cost per position;
+* never sooner than ``min_dwell_steps`` decode steps after the last switch;
+* above ``--speculative-disable-batch-threshold`` (when given) it never speculates.
 
-Every input reaches the policy through :class:`Estimates`, which the controller builds
-at fixed decode-step counts from values every tensor-parallel rank agrees on (the
-accept counters the scheduler keeps on the host, and rank 0's step times broadcast to
-all ranks); between two agreements the policy sees the same snapshot on every rank.
+The step costs are known from the first decode step (measured at start-up), so nothing is
+probed. Acceptance comes from the scheduler's accept counters while speculating and from
+the draft catch-up's replay while plain (``estimates``); until either has spoken, the
+policy speculates where the most a step can accept (``max_acceptance``) would pay, which
+gives the counters their first measurement within a few steps.
+
+Every input reaches the policy through :class:`Estimates`, built by the controller at
+fixed decode-step counts from values every tensor-parallel rank agrees on.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from sglang_dynspec.cost_model import CostModel
 from sglang_dynspec.policy import Mode, ModePolicy
 
-# Upper edges of the batch-size buckets: about 1.5x apart, so a bucket's step time
-# varies little inside it (the step time grows about linearly with B).
-BUCKET_EDGES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 
-
-def bucket_of(batch_size: int) -> int:
-    """Index of the bucket holding ``batch_size`` (sizes above the last edge share the last)."""
-    return min(bisect.bisect_left(BUCKET_EDGES, batch_size), len(BUCKET_EDGES) - 1)
+def expected_accept_length(agreement: float, draft_steps: int) -> float:
+    """Tokens per request per speculative step of a chain of ``draft_steps`` drafts when
+    each draft agrees with the target's token with probability ``agreement``,
+    independently: the bonus token plus the accepted prefix,
+    ``1 + p + p^2 + ... + p^k``."""
+    if not 0.0 <= agreement <= 1.0:
+        raise ValueError(f"agreement must be in [0, 1], got {agreement}")
+    if draft_steps < 0:
+        raise ValueError(f"draft_steps must be >= 0, got {draft_steps}")
+    return sum(agreement**i for i in range(draft_steps + 1))
 
 
 @dataclass(frozen=True)
 class GoodputSettings:
     margin: float = 0.05  # hysteresis on R around 1
-    min_dwell_steps: int = 8  # also the length of a probe
-    reprobe_every: int = 4096  # decode steps between two probes of one bucket and mode
+    min_dwell_steps: int = 8  # fewest decode steps between two switches; D above
     max_spec_batch: int | None = None  # hard bound: never speculate above it (None: no bound)
+    max_acceptance: float = 4.0  # the most one speculative step can give (num_draft_tokens)
 
     def __post_init__(self) -> None:
         if not 0 <= self.margin < 1:
             raise ValueError(f"margin must be in [0, 1), got {self.margin}")
-        if self.min_dwell_steps < 1 or self.reprobe_every < 1:
-            raise ValueError(f"min_dwell_steps and reprobe_every must be >= 1, got {self}")
+        if self.min_dwell_steps < 1:
+            raise ValueError(f"min_dwell_steps must be >= 1, got {self.min_dwell_steps}")
         if self.max_spec_batch is not None and self.max_spec_batch < 1:
             raise ValueError(f"max_spec_batch must be >= 1, got {self.max_spec_batch}")
+        if not self.max_acceptance >= 1:
+            raise ValueError(f"max_acceptance must be >= 1, got {self.max_acceptance}")
 
 
 @dataclass(frozen=True)
 class Estimates:
     """The agreed inputs of the goodput policy (identical on every TP rank)."""
 
+    costs: CostModel | None = None
     acceptance: float | None = None  # tokens per request per speculative step, bonus included
-    acceptance_source: str = "none"  # "measured", "simulated" (SGLANG_SIMULATE_ACC_LEN) or "none"
-    step_seconds: Mapping[tuple[Mode, int], float] = field(default_factory=dict)  # (mode, bucket) -> s
+    acceptance_source: str = "none"  # one of metric_names.ACCEPTANCE_SOURCES
+    catch_up_seconds_per_token: float = 0.0  # device time of a catch-up per replayed position
 
-    def ratio(self, batch_size: int) -> float | None:
-        """R = predicted speculative / plain tokens per second at ``batch_size``, or None."""
-        b = bucket_of(batch_size)
-        t_spec, t_plain = self.step_seconds.get((Mode.SPEC, b)), self.step_seconds.get((Mode.PLAIN, b))
-        if self.acceptance is None or not t_spec or not t_plain:
-            return None
-        return self.acceptance * t_plain / t_spec
+    def step_seconds(self, mode: Mode, batch_size: int, context_len: float) -> float | None:
+        return None if self.costs is None else self.costs.seconds(mode, batch_size, context_len)
 
-    def predicted_tokens_per_second(self, batch_size: int, mode: Mode) -> float | None:
-        seconds = self.step_seconds.get((mode, bucket_of(batch_size)))
-        if not seconds:
+    def ratio(self, batch_size: int, context_len: float, acceptance: float | None = None) -> float | None:
+        """R = predicted speculative / plain tokens per second, or None if a cost is unknown."""
+        a = self.acceptance if acceptance is None else acceptance
+        t_spec = self.step_seconds(Mode.SPEC, batch_size, context_len)
+        t_plain = self.step_seconds(Mode.PLAIN, batch_size, context_len)
+        if a is None or not t_spec or not t_plain:
             return None
+        return a * t_plain / t_spec
+
+    def predicted_tokens_per_second(self, batch_size: int, context_len: float, mode: Mode) -> float | None:
+        seconds = self.step_seconds(mode, batch_size, context_len)
         per_request = 1.0 if mode is Mode.PLAIN else self.acceptance
-        return None if per_request is None else batch_size * per_request / seconds
+        if not seconds or per_request is None:
+            return None
+        return batch_size * per_request / seconds
+
+
+def crossover_batch_size(
+    estimates: Estimates, acceptance: float, context_len: float, max_batch_size: int, margin: float = 0.0
+) -> int | None:
+    """The smallest batch size at which plain decode beats speculation (R < 1 - margin)
+    at ``acceptance`` and ``context_len``; None if speculation pays up to ``max_batch_size``."""
+    for b in range(1, max_batch_size + 1):
+        r = estimates.ratio(b, context_len, acceptance)
+        if r is not None and r < 1 - margin:
+            return b
+    return None
 
 
 class GoodputPolicy(ModePolicy):
@@ -91,53 +115,46 @@ class GoodputPolicy(ModePolicy):
         self.mode = Mode.SPEC
         self.estimates = Estimates()
         self.last_reason = "start"
-        self._step = 0
+        self.last_ratio: float | None = None
         self._since_switch = settings.min_dwell_steps
-        self._visited: dict[tuple[Mode, int], int] = {}  # (mode, bucket) -> last step run there
 
     def update(self, estimates: Estimates) -> None:
         self.estimates = estimates
 
-    def _wanted(self, batch_size: int) -> tuple[Mode, str]:
+    def _wanted(self, batch_size: int, context_len: float, catch_up_tokens: int) -> tuple[Mode, str]:
         s, est = self.settings, self.estimates
         if s.max_spec_batch is not None and batch_size > s.max_spec_batch:
             return Mode.PLAIN, f"batch {batch_size} above the speculation bound {s.max_spec_batch}"
-        b = bucket_of(batch_size)
-        other = Mode.PLAIN if self.mode is Mode.SPEC else Mode.SPEC
+        t_spec = est.step_seconds(Mode.SPEC, batch_size, context_len)
+        t_plain = est.step_seconds(Mode.PLAIN, batch_size, context_len)
+        if not t_spec or not t_plain:
+            self.last_ratio = None
+            return self.mode, "no step costs"
+        known = est.acceptance is not None
+        a = est.acceptance if known else s.max_acceptance
+        ratio = self.last_ratio = a * t_plain / t_spec
+        what = f"R = {ratio:.2f} at batch {batch_size}, context {context_len:.0f}" + (
+            f" (acceptance {a:.2f}, {est.acceptance_source})"
+            if known
+            else " (acceptance not measured yet: the most a step can accept)"
+        )
+        if self.mode is Mode.SPEC:
+            return (Mode.PLAIN, what) if ratio < 1 - s.margin else (Mode.SPEC, what)
+        dwell = s.min_dwell_steps
+        catch_up = catch_up_tokens * est.catch_up_seconds_per_token
+        if dwell * a * t_plain > (1 + s.margin) * (dwell * t_spec + catch_up):
+            return Mode.SPEC, what
+        return Mode.PLAIN, what
 
-        def measured(mode: Mode) -> bool:
-            return (mode, b) in est.step_seconds and (mode is Mode.PLAIN or est.acceptance is not None)
-
-        if not measured(self.mode):
-            return self.mode, f"measuring {self.mode.value} at batch {batch_size}"
-        last_visit = self._visited.get((other, b))
-        if not measured(other):
-            if last_visit is None or self._step - last_visit >= s.reprobe_every:
-                return other, f"probe {other.value} at batch {batch_size}"
-            return self.mode, f"waiting for the {other.value} probe at batch {batch_size}"
-        if last_visit is not None and self._step - last_visit >= s.reprobe_every:
-            return other, f"re-probe {other.value} at batch {batch_size}"
-        ratio = est.ratio(batch_size)
-        if self.mode is Mode.SPEC and ratio < 1 - s.margin:
-            return Mode.PLAIN, f"R = {ratio:.2f} < {1 - s.margin:.2f} at batch {batch_size}"
-        if self.mode is Mode.PLAIN and ratio > 1 + s.margin:
-            return Mode.SPEC, f"R = {ratio:.2f} > {1 + s.margin:.2f} at batch {batch_size}"
-        return self.mode, f"R = {ratio:.2f}"
-
-    def decide(self, batch_size: int) -> Mode:
+    def decide(self, batch_size: int, context_len: float = 0.0, catch_up_tokens: int = 0) -> Mode:
         if batch_size < 0:
             raise ValueError(f"batch_size must be >= 0, got {batch_size}")
-        wanted, reason = self._wanted(batch_size)
+        wanted, reason = self._wanted(batch_size, context_len, catch_up_tokens)
         if wanted is not self.mode and self._since_switch >= self.settings.min_dwell_steps:
             self.mode = wanted
             self._since_switch = 0
             self.last_reason = reason
-            self.probing = "probe" in reason
-        elif reason.startswith("R = "):
-            self.probing = False  # the measurements now say this mode pays
-        self._visited[(self.mode, bucket_of(batch_size))] = self._step
         self._since_switch += 1
-        self._step += 1
         return self.mode
 
     def describe(self) -> str:
@@ -145,38 +162,6 @@ class GoodputPolicy(ModePolicy):
         bound = "" if s.max_spec_batch is None else f", never above {s.max_spec_batch} running requests"
         return (
             f"goodput policy: speculate while predicted tokens/s beat plain decode by {s.margin:.0%} "
-            f"(measured acceptance and step times{bound}), at least {s.min_dwell_steps} decode steps "
-            "between switches"
+            f"(step costs timed at start-up and corrected online; acceptance from the accept counters "
+            f"and the catch-up's replay{bound}), at least {s.min_dwell_steps} decode steps between switches"
         )
-
-
-@dataclass
-class StepTimes:
-    """Rank-local step-time measurements: an exponential moving average per (mode, bucket)."""
-
-    alpha: float = 0.1
-    seconds: dict[tuple[Mode, int], float] = field(default_factory=dict)
-
-    def record(self, mode: Mode, batch_size: int, seconds: float) -> None:
-        key = (mode, bucket_of(batch_size))
-        old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else old + self.alpha * (seconds - old)
-
-
-@dataclass
-class AcceptanceMeter:
-    """Tokens per request per speculative step, bonus included, as a moving average.
-
-    Fed with the scheduler's per-request host counters (``spec_num_correct_drafts``
-    and ``spec_verify_ct``, identical on every TP rank): their increase over a stretch
-    of speculative steps.
-    """
-
-    alpha: float = 0.2
-    value: float | None = None
-
-    def observe(self, correct_drafts: int, verify_steps: int) -> None:
-        if verify_steps <= 0:
-            return
-        sample = 1.0 + correct_drafts / verify_steps
-        self.value = sample if self.value is None else self.value + self.alpha * (sample - self.value)

@@ -8,6 +8,8 @@ fake server and the tests all import them from here. Counters are exported with 
 
 from __future__ import annotations
 
+import enum
+
 MODE_GAUGE = "sglang:spec_dynamic_mode"
 STEPS_COUNTER = "sglang:spec_dynamic_decode_steps"
 SWITCHES_COUNTER = "sglang:spec_dynamic_switches"
@@ -20,17 +22,36 @@ RESUME_REQUESTS_COUNTER = "sglang:spec_dynamic_resume_requests"
 # The goodput policy's agreed estimates (gauges, updated at each agreement).
 ACCEPTANCE_GAUGE = "sglang:spec_dynamic_acceptance"  # label "source": measured / simulated / none
 PREDICTED_GAUGE = "sglang:spec_dynamic_predicted_tokens_per_second"  # label "mode", at the current batch
-STEP_SECONDS_GAUGE = "sglang:spec_dynamic_step_seconds"  # labels "mode", "batch_max" (a bucket's upper edge)
+# The step costs timed at start-up; labels "mode", "batch_size", "context_len".
+STEP_SECONDS_GAUGE = "sglang:spec_dynamic_step_seconds"
+# Measured / start-up step time, per mode and batch-size bucket; labels "mode", "kind"
+# (device or host), "batch_max" (the bucket's upper edge).
+STEP_COST_CORRECTION_GAUGE = "sglang:spec_dynamic_step_cost_correction"
 PROBE_STEPS_COUNTER = "sglang:spec_dynamic_probe_steps"  # label "mode"
 PENALTY_PLAIN_COUNTER = "sglang:spec_dynamic_penalty_plain_steps"
 
 # Label values.
 MODES = ("spec", "plain")  # label "mode" of STEPS_COUNTER, "to" of SWITCHES_COUNTER
-CATCH_UP_REASONS = ("resume", "buffer_full", "mixed")  # label "reason" of CATCH_UP_COUNTER
-ACCEPTANCE_SOURCES = ("measured", "simulated", "none")  # label "source" of ACCEPTANCE_GAUGE
+
+
+class CatchUpReason(str, enum.Enum):
+    """Why a draft catch-up ran (label "reason" of CATCH_UP_COUNTER)."""
+
+    RESUME = "resume"  # before the first speculative step after plain ones
+    BUFFER_FULL = "buffer_full"  # in plain mode: a request's log would overflow
+    MIXED = "mixed"  # before a mixed prefill+decode step, for its decoding requests
+
+
+CATCH_UP_REASONS = tuple(reason.value for reason in CatchUpReason)
+# Label "source" of ACCEPTANCE_GAUGE: the scheduler's accept counters (speculating), the
+# draft catch-up's replay (plain), SGLANG_SIMULATE_ACC_LEN (benchmarks), or none yet.
+ACCEPTANCE_SOURCES = ("counters", "replay", "simulated", "none")
 
 HELP = {
-    MODE_GAUGE: "1 while EAGLE3_DYNAMIC speculates, 0 while it runs plain decode steps.",
+    MODE_GAUGE: (
+        "1 if EAGLE3_DYNAMIC's last decode step speculated, 0 if it ran plain (by its policy or "
+        "because a request needed per-token penalties)."
+    ),
     STEPS_COUNTER: "Decode steps run by EAGLE3_DYNAMIC, by mode (spec or plain).",
     SWITCHES_COUNTER: "Mode switches of EAGLE3_DYNAMIC, by the mode switched to.",
     PLAIN_GRAPH_COUNTER: (
@@ -50,7 +71,9 @@ HELP = {
     RESUME_REQUESTS_COUNTER: "Requests in the first speculative step after each resume of EAGLE3_DYNAMIC.",
     ACCEPTANCE_GAUGE: (
         "EAGLE3_DYNAMIC goodput policy: expected tokens per request per speculative step (bonus "
-        "included), by source (measured from the scheduler's accept counters, or simulated)."
+        "included) the policy uses, by source (counters: the scheduler's accept counters while "
+        "speculating; replay: the draft catch-up's agreement with the target while plain; "
+        "simulated: SGLANG_SIMULATE_ACC_LEN). NaN for the sources not in use."
     ),
     PREDICTED_GAUGE: (
         "EAGLE3_DYNAMIC goodput policy: predicted output tokens/s of each mode at the decode batch "
@@ -65,8 +88,13 @@ HELP = {
         "the batch has frequency, presence or repetition penalties (--speculative-penalties exact)."
     ),
     STEP_SECONDS_GAUGE: (
-        "EAGLE3_DYNAMIC goodput policy: measured seconds per decode step, by mode and batch-size "
-        "bucket (batch_max: the bucket's largest batch size)."
+        "EAGLE3_DYNAMIC: device seconds of one decode step timed at start-up, by mode, batch size "
+        "and context length (the goodput policy's cost table, before online corrections)."
+    ),
+    STEP_COST_CORRECTION_GAUGE: (
+        "EAGLE3_DYNAMIC goodput policy: measured over start-up step time, by mode, kind (device: "
+        "the step's forward on the device; host: the time between consecutive decode steps) and "
+        "batch-size bucket (batch_max: the bucket's largest batch size)."
     ),
 }
 

@@ -12,7 +12,7 @@ What the worker owes the scheduler, in both modes, and where this module pays it
 2. publish: under the overlap scheduler, call ``on_publish(new_seq_lens)`` exactly
    once per forward. The scheduler does not publish for speculative batches; a
    missing publish is silent outside ``SGLANG_IS_IN_CI`` and yields wrong tokens.
-   (:func:`run_plain_decode`)
+   (the worker, after the catch-up has logged the step)
 3. result shape: one token per request, ``accept_lens`` of ones, row stride 1,
    logprobs as ``[bs, 1]``. (:func:`finish_plain_result`)
 4. draft state: ``next_draft_input`` carries the last speculative step's
@@ -23,6 +23,8 @@ What the worker owes the scheduler, in both modes, and where this module pays it
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from sglang_dynspec import compat
@@ -30,31 +32,36 @@ from sglang_dynspec.fresh_batch import build_plain_decode_batch
 from sglang_dynspec.plain_graph import PlainDecodeGraph, plain_decode_graphs
 
 
+@dataclass(frozen=True)
+class PlainStep:
+    """A plain decode step queued on the device."""
+
+    result: object  # the spec-shaped GenerationBatchResult the scheduler gets
+    input_ids: torch.Tensor  # [bs] the input token of each request (its pending token)
+    aux_hidden: torch.Tensor | None  # [bs, 3H] the target's auxiliary hidden states (capture_hidden)
+
+
 def run_plain_decode(
     spec_worker,
     batch,
-    catch_up,
     plain_graph: PlainDecodeGraph | None = None,
-    on_publish=None,
     grammar_barrier=None,
-):
-    """Run the target's plain decode for ``batch`` and return a spec-shaped result.
+    capture_hidden: bool = False,
+) -> PlainStep:
+    """Run the target's plain decode for ``batch``; the result is shaped as a spec result.
 
-    ``catch_up`` (``catch_up.DraftCatchUp`` or ``NoCatchUp``) flushes a full log first;
-    when enabled, the forward also captures the target's auxiliary hidden states and
-    logs them for the draft's catch-up.
+    ``capture_hidden``: the forward also returns the target's packed auxiliary hidden
+    states (the draft catch-up logs them). The caller publishes the new sequence
+    lengths (``result.new_seq_lens``) under the overlap scheduler, exactly once.
     """
-    pool_indices = catch_up.before_plain_step(batch)
-    plain = build_plain_decode_batch(batch, spec_worker.req_to_token_pool.req_to_token)
+    plain = build_plain_decode_batch(batch, compat.request_to_token_table(spec_worker))
     if batch.has_grammar and grammar_barrier is not None:
         grammar_barrier()
     target_worker = spec_worker.target_worker
     with plain_decode_graphs(target_worker.model_runner, plain_graph):
-        out = compat.run_target_decode(target_worker, plain, capture_hidden=catch_up.enabled)
-    catch_up.record(pool_indices, batch, plain, out.logits_output.hidden_states)
-    if on_publish is not None:
-        on_publish(plain.seq_lens)
-    return finish_plain_result(out, plain, batch.spec_info)
+        out = compat.run_target_decode(target_worker, plain, capture_hidden=capture_hidden)
+    aux_hidden = out.logits_output.hidden_states if out.logits_output is not None else None
+    return PlainStep(finish_plain_result(out, plain, batch.spec_info), plain.input_ids, aux_hidden)
 
 
 def plain_step_draft_input(next_tokens: torch.Tensor, previous):

@@ -62,8 +62,11 @@ class ModePolicy(abc.ABC):
         """New agreed estimates (only policies with ``needs_estimates`` use them)."""
 
     @abc.abstractmethod
-    def decide(self, batch_size: int) -> Mode:
-        """Return the mode of this decode step (and remember it as ``self.mode``)."""
+    def decide(self, batch_size: int, context_len: float = 0.0, catch_up_tokens: int = 0) -> Mode:
+        """Return the mode of this decode step (and remember it as ``self.mode``).
+
+        ``batch_size``: the step's requests; ``context_len``: their mean KV length;
+        ``catch_up_tokens``: positions a resume would replay into the draft now."""
 
     @abc.abstractmethod
     def describe(self) -> str:
@@ -108,7 +111,7 @@ class ThresholdPolicy(ModePolicy):
             return Mode.SPEC
         return self.mode
 
-    def decide(self, batch_size: int) -> Mode:
+    def decide(self, batch_size: int, context_len: float = 0.0, catch_up_tokens: int = 0) -> Mode:
         if batch_size < 0:
             raise ValueError(f"batch_size must be >= 0, got {batch_size}")
         wanted = self.wanted_mode(batch_size)

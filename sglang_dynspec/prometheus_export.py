@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from sglang_dynspec import metric_names as names
-from sglang_dynspec.goodput import BUCKET_EDGES
+from sglang_dynspec.cost_model import BUCKET_EDGES
 from sglang_dynspec.policy import Mode, Switch
 from sglang_dynspec.telemetry import TelemetrySink
 
@@ -95,11 +95,13 @@ class PrometheusExport(TelemetrySink):
         self._probe_steps = {m: probes.labels(**labels, mode=m.value) for m in Mode}
         self._acceptance = gauge(names.ACCEPTANCE_GAUGE, ["source"])
         self._predicted = gauge(names.PREDICTED_GAUGE, ["mode"])
-        self._step_seconds = gauge(names.STEP_SECONDS_GAUGE, ["mode", "batch_max"])
+        self._step_seconds = gauge(names.STEP_SECONDS_GAUGE, ["mode", "batch_size", "context_len"])
+        self._corrections = gauge(names.STEP_COST_CORRECTION_GAUGE, ["mode", "kind", "batch_max"])
         self._mode.set(1)
 
     def on_decode_step(self, mode: Mode, replayed_graph: bool) -> None:
         self._steps[mode].inc()
+        self._mode.set(1 if mode is Mode.SPEC else 0)  # forced-plain steps included
         if replayed_graph:
             self._graph_steps.inc()
 
@@ -124,18 +126,32 @@ class PrometheusExport(TelemetrySink):
     def on_probe_step(self, mode: Mode) -> None:
         self._probe_steps[mode].inc()
 
-    def on_estimates(self, estimates, batch_size: int) -> None:
+    def on_estimates(self, estimates, batch_size: int, context_len: float) -> None:
         for source in names.ACCEPTANCE_SOURCES:
             value = estimates.acceptance if source == estimates.acceptance_source else None
             self._acceptance.labels(**self._labels, source=source).set(
                 float("nan") if value is None else value
             )
         for mode in Mode:
-            predicted = estimates.predicted_tokens_per_second(batch_size, mode)
+            predicted = estimates.predicted_tokens_per_second(batch_size, context_len, mode)
             self._predicted.labels(**self._labels, mode=mode.value).set(
                 float("nan") if predicted is None else predicted
             )
-        for (mode, bucket), seconds in estimates.step_seconds.items():
+        if estimates.costs is not None:
+            for kind, ratios in (
+                ("device", estimates.costs.device_ratio),
+                ("host", estimates.costs.host_ratio),
+            ):
+                for (mode, bucket), ratio in ratios.items():
+                    self._corrections.labels(
+                        **self._labels, mode=mode.value, kind=kind, batch_max=str(BUCKET_EDGES[bucket])
+                    ).set(ratio)
+
+    def on_cost_table(self, table) -> None:
+        for p in table.points:
             self._step_seconds.labels(
-                **self._labels, mode=mode.value, batch_max=str(BUCKET_EDGES[bucket])
-            ).set(seconds)
+                **self._labels,
+                mode=p.mode.value,
+                batch_size=str(p.batch_size),
+                context_len=str(p.context_len),
+            ).set(p.seconds)

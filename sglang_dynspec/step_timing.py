@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import torch
 
 from sglang_dynspec import compat
-from sglang_dynspec.catch_up import NoCatchUp
 from sglang_dynspec.device_timer import DeviceTimer
 from sglang_dynspec.plain_step import run_plain_decode
 
@@ -221,7 +220,7 @@ def measure_point(
     given, for ``plain``; the target's verify graph for ``spec``)."""
     last = {}
     runs = {
-        "plain": lambda: run_plain_decode(spec_worker, synthetic.next_batch(), NoCatchUp(), plain_graph),
+        "plain": lambda: run_plain_decode(spec_worker, synthetic.next_batch(), plain_graph).result,
         "spec": lambda: compat.run_speculative_decode(spec_worker, synthetic.next_batch()),
     }
 

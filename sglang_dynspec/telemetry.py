@@ -42,9 +42,12 @@ class TelemetrySink:
         """Accepted tokens (bonus included) per request of the first speculative step
         after a resume, read once the device has run it."""
 
-    def on_estimates(self, estimates, batch_size: int) -> None:
+    def on_estimates(self, estimates, batch_size: int, context_len: float) -> None:
         """The goodput policy got new agreed estimates (``goodput.Estimates``) at a decode
-        step of ``batch_size`` requests."""
+        step of ``batch_size`` requests of mean context ``context_len``."""
+
+    def on_cost_table(self, table) -> None:
+        """The step costs timed at start-up (``cost_model.StepCostTable``)."""
 
     def on_penalty_plain_step(self) -> None:
         """The decode step about to run is plain because a request needs per-token

@@ -14,12 +14,11 @@ state forward (``plain_step``).
 from __future__ import annotations
 
 import logging
-import time
 
-from sglang_dynspec import compat, config, step_timing
-from sglang_dynspec.catch_up import DraftCatchUp, NoCatchUp, free_memory_note
-from sglang_dynspec.controller import ModeController, build_sinks
-from sglang_dynspec.estimates import EstimateFeed
+from sglang_dynspec import compat, config, cost_cache, step_timing
+from sglang_dynspec.catch_up import NoCatchUp, free_memory_note, new_catch_up
+from sglang_dynspec.controller import ModeController
+from sglang_dynspec.cost_model import StepCost
 from sglang_dynspec.plain_graph import PlainGraphKeeper
 from sglang_dynspec.plain_step import run_plain_decode
 from sglang_dynspec.policy import Mode
@@ -38,22 +37,20 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
         if disagreement:
             raise config.ConfigError(disagreement)
         first_rank = self._first_rank = compat.tensor_parallel_rank() == 0
-        self.controller = ModeController(
-            config.build_policy(self.settings),
-            build_sinks(
-                first_rank=first_rank,
-                metrics_enabled=compat.metrics_enabled(server_args),
-                labels={"model_name": compat.served_model_name(server_args)},
-            ),
-            EstimateFeed(
-                agree=compat.agree_across_tensor_parallel_ranks,
-                simulated_acceptance=self.settings.simulated_acceptance,
-            ),
+        draft_steps = compat.draft_steps(server_args)
+        self.controller = ModeController.from_settings(
+            self.settings,
+            first_rank=first_rank,
+            metrics_enabled=compat.metrics_enabled(server_args),
+            labels={"model_name": compat.served_model_name(server_args)},
+            agree=compat.agree_across_tensor_parallel_ranks,
+            draft_steps=draft_steps,
+            max_acceptance=draft_steps + 1,
+            device=str(self.device),
         )
         self.catch_up = NoCatchUp()  # allocated in init_cuda_graphs, once the KV pools exist
         self.plain_graphs = None  # PlainGraphKeeper, from init_cuda_graphs; None: eager plain steps
         self._last_step_plain = False
-        self._exact_penalties = self.settings.penalties == "exact"
         if first_rank:
             logger.info(
                 "[sglang-dynspec] EAGLE3_DYNAMIC: %s; draft catch-up buffer %d positions per request; "
@@ -74,8 +71,7 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
         # The scheduler calls this once the KV pools exist (both SGLang versions, with
         # or without CUDA graphs): allocate the catch-up buffer first, so the graphs
         # are captured with it in place.
-        if self.settings.catch_up_tokens:
-            self.catch_up = DraftCatchUp(self, self.settings.catch_up_tokens, self.controller.on_catch_up)
+        self.catch_up = new_catch_up(self, self.settings.catch_up_tokens, self.controller.on_catch_up)
         if self.catch_up.enabled and self._first_rank:
             logger.info(
                 "[sglang-dynspec] draft catch-up buffer: %d positions x %d requests, %.0f MiB (allocated "
@@ -91,21 +87,40 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
             self.plain_graphs = PlainGraphKeeper(
                 self.target_worker.model_runner, capture_hidden=self.catch_up.enabled
             )
-        self.step_cost_samples = self._calibrate_step_costs()
+        self._time_step_costs()
 
-    def _calibrate_step_costs(self) -> list[step_timing.StepCostSample]:
-        """With SGLANG_DYNSPEC_CALIBRATE=1, time both decode modes on this device now,
-        once every graph is captured and before any request (every TP rank runs the
-        same steps); the first rank logs the table. Otherwise nothing (an empty list)."""
-        # The first rank's setting, on every rank: the steps contain collectives.
-        if not compat.agree_across_tensor_parallel_ranks(config.env_bool(step_timing.CALIBRATE_ENV, False)):
-            return []
-        started = time.monotonic()
+    def _time_step_costs(self) -> None:
+        """The goodput policy's step-cost table (``cost_cache``): read from the cache, or
+        timed on this device now, once every graph is captured and before any request
+        (every TP rank runs the same steps: they hold collectives); the first rank's
+        table goes to every rank. Also with ``SGLANG_DYNSPEC_CALIBRATE=1`` under the
+        threshold policy (the table in ``/metrics`` feeds ``bench crossover``)."""
+        wanted = self.controller.policy.needs_estimates or config.env_bool(step_timing.CALIBRATE_ENV, False)
+        if not compat.agree_across_tensor_parallel_ranks(wanted):
+            return
         graph = self.plain_graphs.graph if self.plain_graphs is not None else None
-        samples = step_timing.measure_step_costs(self, graph, *step_timing.default_grid(self, graph))
+        grid = step_timing.default_grid(self, graph)
+        key = compat.step_cost_key(self, grid)
+
+        def measure():
+            samples = step_timing.measure_step_costs(self, graph, *grid)
+            return [StepCost(s.mode, s.batch_size, s.context_len, s.seconds) for s in samples]
+
+        costs = cost_cache.startup_costs(
+            key,
+            config.cost_cache_dir(),
+            measure,
+            compat.agree_across_tensor_parallel_ranks,
+            self._first_rank,
+        )
+        self.controller.set_cost_table(costs.table)
         if self._first_rank:
-            logger.info("%s", step_timing.format_step_costs(samples, time.monotonic() - started))
-        return samples
+            logger.info(
+                "[sglang-dynspec] step costs (%s in %.1f s; device ms per decode step):\n%s",
+                "read from the cache" if costs.cache_hit else "timed at start-up",
+                costs.seconds,
+                cost_cache.format_table(costs.table),
+            )
 
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
         if not compat.is_decode_step(batch):
@@ -119,13 +134,18 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
         mode = self.controller.before_decode(
             compat.decode_batch_size(batch),
             lambda: compat.accept_counters(batch),
-            # Penalties count every token only in plain steps (compat.needs_per_token_penalties).
-            plain_required=self._exact_penalties and compat.needs_per_token_penalties(batch),
+            needs_per_token_penalties=compat.needs_per_token_penalties(batch),
+            context_len=compat.mean_context_len(batch),
         )
         self._last_step_plain = mode is Mode.PLAIN
         if mode is Mode.PLAIN:
+            self.catch_up.before_plain_step(batch)
             graph = self.plain_graphs.graph if self.plain_graphs is not None else None
-            out = run_plain_decode(self, batch, self.catch_up, graph, on_publish, grammar_barrier)
+            step = run_plain_decode(self, batch, graph, grammar_barrier, capture_hidden=self.catch_up.enabled)
+            self.catch_up.after_plain_step(step.input_ids, step.aux_hidden)
+            out = step.result
+            if on_publish is not None:
+                on_publish(out.new_seq_lens)  # once per forward (plain_step, item 2)
             self.controller.after_decode(mode, replayed_graph=bool(out.can_run_cuda_graph))
         else:
             self.catch_up.before_speculative_step(batch)

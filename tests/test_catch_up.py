@@ -18,18 +18,52 @@ acceptance right after a resume) are in ``test_catch_up_e2e.py``.
 
 from __future__ import annotations
 
+import copy
+import types
+
 import pytest
 import schedule_batches  # noqa: F401  (sets up the CPU import of SGLang first)
 import torch
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from schedule_batches import build_spec_decode_batch, differences, snapshot, spec_decode_cases
+from schedule_batches import (
+    SpecDecodeCase,
+    build_spec_decode_batch,
+    differences,
+    snapshot,
+    spec_decode_cases,
+)
 
-from sglang_dynspec.catch_up import GapRows, PlainGapLog, build_catch_up_batch
+from sglang_dynspec.catch_up import (
+    CatchUp,
+    DraftCatchUp,
+    DraftPasses,
+    GapRows,
+    NoCatchUp,
+    PlainGapLog,
+    build_catch_up_batch,
+)
 from sglang_dynspec.compat import ForwardMode
+from sglang_dynspec.metric_names import CatchUpReason
 
 POOL, CAPACITY, WIDTH = 6, 4, 3
+SPEC_CASE = SpecDecodeCase(
+    prompt_lens=(3, 5),
+    output_lens=(2, 1),
+    greedy=(True, True),
+    return_logprob=(False, False),
+    num_draft_tokens=4,
+    topk=1,
+    num_steps=3,
+    hidden_size=8,
+    extra_pool_rows=2,
+    host_mirror=True,
+    overlap=False,
+    leftover_verify_tensors=False,
+    bonus_dtype=torch.int64,
+    seed=11,
+)
 
 
 class PlainGapLogMachine(RuleBasedStateMachine):
@@ -192,3 +226,146 @@ def test_buffer_size_is_checked_against_free_device_memory(monkeypatch):
     ):
         catch_up._check_device_memory(needed, 32, "cuda:0")
     catch_up._check_device_memory(needed, 32, "cpu")  # host memory: SGLang's CPU engine, nothing to check
+
+
+# ------------------------------------------------------------- DraftCatchUp, with fakes
+class FakeDraftPasses:
+    """Records what each draft pass was given; ``extend`` returns recognisable state."""
+
+    def __init__(self, topk: int, hidden_size: int):
+        self.topk, self.hidden_size = topk, hidden_size
+        self.calls: list[tuple] = []
+
+    def extend(self, ext, hidden, tails):
+        self.calls.append(("extend", ext, hidden.clone(), tails.clone()))
+        n = len(ext.reqs)
+        return types.SimpleNamespace(
+            topk_p=torch.full((n, self.topk), 0.25),
+            topk_index=torch.full((n, self.topk), 7, dtype=torch.int64),
+            hidden_states=torch.full((n, self.hidden_size), -1.0),
+            draft_probs=None,
+        )
+
+    def fill_kv(self, ext, hidden, tails, last_rows):
+        self.calls.append(("fill_kv", ext, hidden.clone(), tails.clone(), last_rows.clone()))
+
+
+AUX_WIDTH = 5
+
+
+def draft_catch_up(made, case, capacity):
+    passes = FakeDraftPasses(case.topk, case.hidden_size)
+    reports = []
+    catch_up = DraftCatchUp(
+        made.req_to_token,
+        capacity=capacity,
+        hidden_width=AUX_WIDTH,
+        hidden_dtype=torch.float32,
+        passes=DraftPasses(passes.extend, passes.fill_kv),
+        report=lambda reason, requests, tokens, timer: reports.append((reason, requests, tokens)),
+    )
+    return catch_up, passes, reports
+
+
+def plain_steps(catch_up, batch, steps: int, gen: torch.Generator):
+    """Run ``steps`` plain steps through the catch-up's hooks as the worker does, and
+    commit each as the scheduler would (one position, a new pending token). Returns
+    the logged (input token, aux row) of each request, step after step."""
+    logged = []
+    for _ in range(steps):
+        catch_up.before_plain_step(batch)
+        inputs = batch.spec_info.bonus_tokens.clone()
+        aux = torch.randn(len(batch.reqs), AUX_WIDTH, generator=gen)
+        catch_up.after_plain_step(inputs, aux)
+        logged.append((inputs, aux))
+        batch.seq_lens = batch.seq_lens + 1
+        if batch.seq_lens_cpu is not None:
+            batch.seq_lens_cpu = batch.seq_lens_cpu + 1
+        batch.spec_info.bonus_tokens = torch.randint(0, 100, (len(batch.reqs),), generator=gen).to(
+            batch.spec_info.bonus_tokens.dtype
+        )
+    return logged
+
+
+CATCH_UP_SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@CATCH_UP_SETTINGS
+@given(case=spec_decode_cases(max_requests=4), steps=st.integers(1, 4))
+def test_resume_replays_every_plain_position_and_hands_back_fresh_draft_state(case, steps):
+    made = build_spec_decode_batch(case)
+    batch = made.batch
+    catch_up, passes, reports = draft_catch_up(made, case, capacity=4)
+    start = batch.seq_lens.tolist()
+    logged = plain_steps(catch_up, batch, steps, torch.Generator().manual_seed(case.seed % 2**31))
+    assert passes.calls == []  # nothing replayed while the log has room
+
+    catch_up.before_speculative_step(batch)
+
+    [(kind, ext, hidden, tails)] = passes.calls
+    bs = case.batch_size
+    assert kind == "extend" and ext.prefix_lens == start and ext.extend_lens == [steps] * bs
+    assert ext.seq_lens.tolist() == batch.seq_lens.tolist()
+    # Request after request, step after step: the logged inputs and aux rows.
+    assert ext.input_ids.tolist() == [int(logged[s][0][r]) for r in range(bs) for s in range(steps)]
+    assert torch.equal(hidden, torch.stack([logged[s][1][r] for r in range(bs) for s in range(steps)]))
+    assert tails.tolist() == batch.spec_info.bonus_tokens.tolist()
+    assert (batch.spec_info.topk_index == 7).all() and (batch.spec_info.hidden_states == -1).all()
+    assert reports == [(CatchUpReason.RESUME, bs, bs * steps)]
+    catch_up.before_speculative_step(batch)  # caught up: nothing left to replay
+    assert len(passes.calls) == 1
+
+
+@CATCH_UP_SETTINGS
+@given(case=spec_decode_cases(max_requests=4))
+def test_a_full_log_is_flushed_into_the_draft_kv_before_the_next_plain_step(case):
+    made = build_spec_decode_batch(case)
+    batch = made.batch
+    catch_up, passes, reports = draft_catch_up(made, case, capacity=2)
+    draft_state = batch.spec_info.topk_index
+    plain_steps(catch_up, batch, 2, torch.Generator().manual_seed(1))
+    assert passes.calls == []
+    plain_steps(catch_up, batch, 1, torch.Generator().manual_seed(2))
+
+    [(kind, ext, hidden, tails, last_rows)] = passes.calls
+    bs = case.batch_size
+    assert kind == "fill_kv" and ext.extend_lens == [2] * bs
+    assert last_rows.tolist() == [2 * r + 1 for r in range(bs)]
+    assert batch.spec_info.topk_index is draft_state  # a flush hands back no draft state
+    assert reports == [(CatchUpReason.BUFFER_FULL, bs, 2 * bs)]
+    assert [catch_up.log.gap[i] for i in batch.req_pool_indices.tolist()] == [1] * bs  # the new gaps
+
+
+@CATCH_UP_SETTINGS
+@given(case=spec_decode_cases(max_requests=4))
+def test_a_prefill_drops_the_logs_of_its_requests(case):
+    made = build_spec_decode_batch(case)
+    batch = made.batch
+    catch_up, passes, _ = draft_catch_up(made, case, capacity=4)
+    plain_steps(catch_up, batch, 2, torch.Generator().manual_seed(3))
+    prefill = copy.copy(batch)
+    prefill.decoding_reqs = None
+    catch_up.before_extend_step(prefill)
+    assert passes.calls == [] and not any(catch_up.log.gap)
+
+
+def test_the_plain_step_hooks_must_bracket_a_step():
+    case = SPEC_CASE
+    made = build_spec_decode_batch(case)
+    catch_up, _, _ = draft_catch_up(made, case, capacity=4)
+    with pytest.raises(RuntimeError, match="without before_plain_step"):
+        catch_up.after_plain_step(torch.zeros(1, dtype=torch.int64), torch.zeros(1, AUX_WIDTH))
+    catch_up.before_plain_step(made.batch)
+    with pytest.raises(RuntimeError, match="no hidden states"):
+        catch_up.after_plain_step(made.batch.spec_info.bonus_tokens, None)
+
+
+def test_no_catch_up_implements_the_protocol_and_does_nothing():
+    made = build_spec_decode_batch(SPEC_CASE)
+    off = NoCatchUp()
+    hooks: CatchUp = off  # type-checked: NoCatchUp and DraftCatchUp share the protocol
+    assert not hooks.enabled and hooks.nbytes == 0
+    hooks.before_plain_step(made.batch)
+    hooks.after_plain_step(made.batch.spec_info.bonus_tokens, None)
+    hooks.before_speculative_step(made.batch)
+    hooks.before_extend_step(made.batch)

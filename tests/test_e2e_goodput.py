@@ -67,8 +67,7 @@ def test_random_draft_ends_plain_even_at_one_request(tiny_models, tmp_path):
     assert after.acceptance is not None and after.acceptance < 1.5, after
     assert after.mode == 0, f"still speculating at the end: {after}"
     assert tail["plain"] > 0 and tail["spec"] <= PROBE_BUDGET, tail
-    assert "probe plain" in text and "goodput policy" in text
-    assert after.probe_steps > 0, after  # the probes' cost is measured and reported
+    assert "goodput policy" in text and "step costs (timed at start-up" in text
 
 
 def test_agreeing_pair_speculates_at_one_request(tiny_models, tmp_path):
@@ -76,4 +75,4 @@ def test_agreeing_pair_speculates_at_one_request(tiny_models, tmp_path):
     assert after.acceptance is not None and after.acceptance > 3.5, after  # 3 drafts + the bonus
     assert after.mode == 1, f"not speculating at the end: {after}"
     assert tail["spec"] > 0 and tail["plain"] <= PROBE_BUDGET, tail
-    assert "probe plain" in text  # it measured plain decode before deciding
+    assert "step costs (" in text  # both modes' costs were known before deciding

@@ -25,6 +25,7 @@ import copy
 import dataclasses
 import enum
 import functools
+import hashlib
 import importlib.metadata
 import inspect
 import itertools
@@ -32,7 +33,9 @@ import json
 import logging
 import math
 import os
+import pathlib
 import re
+import tempfile
 import time
 import typing
 from pathlib import Path
@@ -98,6 +101,10 @@ def _library_names() -> frozenset[str]:
         collections.abc,
         itertools.chain,
         bisect,
+        hashlib,
+        hashlib.sha256(),
+        tempfile,
+        pathlib.Path,
         math,
         typing,
         importlib.metadata,
@@ -248,11 +255,23 @@ def test_instance_attributes_are_found_in_the_class_source(name):
     assert compat.missing_host_symbols((compat.HostSymbols(compat.EAGLEWorkerV2, (name,)),)) == []
 
 
-@pytest.mark.parametrize("module", ["policy", "goodput", "estimates", "config", "telemetry", "metric_names"])
+@pytest.mark.parametrize(
+    "module",
+    ["policy", "goodput", "estimates", "cost_model", "cost_cache", "config", "telemetry", "metric_names"],
+)
 def test_decision_modules_are_pure_python(module):
     """The decision logic and its inputs import neither torch nor SGLang (nor anything
     that does), so they are tested exhaustively and decide alike on every rank."""
-    pure = {"policy", "goodput", "estimates", "config", "telemetry", "metric_names"}
+    pure = {
+        "policy",
+        "goodput",
+        "estimates",
+        "cost_model",
+        "cost_cache",
+        "config",
+        "telemetry",
+        "metric_names",
+    }
     tree = ast.parse((PACKAGE / f"{module}.py").read_text())
     for node in ast.walk(tree):
         names = []

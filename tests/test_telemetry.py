@@ -120,7 +120,7 @@ def test_a_required_plain_step_leaves_the_policy_as_it_was():
     assert c.before_decode(2) is Mode.SPEC
     c.after_decode(Mode.SPEC)
     for _ in range(3):
-        assert c.before_decode(2, plain_required=True) is Mode.PLAIN
+        assert c.before_decode(2, needs_per_token_penalties=True) is Mode.PLAIN
         c.after_decode(Mode.PLAIN)
     assert c.policy.mode is Mode.SPEC and c.stats.switches == dict.fromkeys(Mode, 0)
     assert c.stats.penalty_plain_steps == 3 and c.stats.decode_steps[Mode.PLAIN] == 3

@@ -19,8 +19,10 @@ import torch.multiprocessing as mp
 
 from sglang_dynspec import config
 from sglang_dynspec.controller import ModeController
+from sglang_dynspec.cost_model import StepCost, StepCostTable
 from sglang_dynspec.estimates import EstimateFeed
 from sglang_dynspec.goodput import GoodputPolicy, GoodputSettings
+from sglang_dynspec.policy import Mode
 
 WORLD = 2
 
@@ -50,21 +52,45 @@ def _rank_main(rank: int, port: int, environs: list[dict], results, agree=_broad
         message = config.settings_disagreement(_gather(settings))
         # The decisions: same batch sizes on both ranks, different rank-local clocks.
         clock = {"now": 0.0}
-        feed = EstimateFeed(agree=agree, agree_every=4, clock=lambda: clock["now"])
-        controller = ModeController(GoodputPolicy(GoodputSettings(min_dwell_steps=2)), (), feed)
+        # The start-up table is the same on both ranks (the first rank's, handed to all);
+        # it says steps cost half what they do.
+        table = StepCostTable.from_points(
+            StepCost(m, b, 0, (0.002 + 0.00015 * b) if m is Mode.SPEC else (0.0015 + 0.000015 * b))
+            for m in Mode
+            for b in (1, 8, 32, 64, 128)
+        )
+        feed = EstimateFeed(agree=agree, agree_every=4, clock=lambda: clock["now"], table=table)
+        controller = ModeController(
+            GoodputPolicy(GoodputSettings(min_dwell_steps=2)),
+            (),
+            feed,
+            start_timer=lambda: _FakeTimer(clock),
+        )
         modes = []
-        for step in range(300):
-            batch = 1 + (step // 25) % 12 * 8  # a load that climbs and falls
+        for step in range(600):
+            level = (step // 25) % 24
+            batch = 1 + 8 * min(level, 23 - level)  # a load that climbs and falls
             mode = controller.before_decode(batch, lambda step=step: [("r", 2 * step, step)])
-            controller.after_decode(mode)
-            modes.append(mode.value)
             per_step = (0.004 + 0.0003 * batch) if mode.value == "spec" else (0.003 + 0.00003 * batch)
             # Rank 1 sees its speculative steps 60% slower: on its own numbers it would cross
             # over at another batch size.
             clock["now"] += per_step * (1.0 + 0.6 * rank if mode.value == "spec" else 1.0)
+            controller.after_decode(mode)
+            modes.append(mode.value)
         results[rank] = (message, modes)
     finally:
         dist.destroy_process_group()
+
+
+class _FakeTimer:
+    def __init__(self, clock):
+        self.clock, self.start, self.end = clock, clock["now"], None
+
+    def stop(self):
+        self.end = self.clock["now"]
+
+    def seconds(self):
+        return None if self.end is None else self.end - self.start
 
 
 def _no_agreement(table):

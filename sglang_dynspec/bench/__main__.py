@@ -286,11 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     cr = sub.add_parser(
         "crossover",
-        help="predicted crossover batch size per acceptance, from a goodput server's /metrics",
-        description="Read the goodput policy's measured step times from a running "
-        "EAGLE3_DYNAMIC server (--speculative-dynamic-policy goodput --enable-metrics) and "
-        "print where speculation stops paying for each acceptance.",
+        help="predicted crossover batch size per acceptance and context, from a server's /metrics",
+        description="Read the step costs a running EAGLE3_DYNAMIC server (--enable-metrics) timed at "
+        "start-up and print, per acceptance and context length, the batch size from which plain "
+        "decode beats speculation (the goodput policy's own ratio).",
     )
+    cr.add_argument("--plot", default=None, metavar="FILE.png", help="also draw it (needs matplotlib)")
     cr.add_argument("--url", default="http://127.0.0.1:30000", help="server base URL (default: %(default)s)")
     cr.add_argument(
         "--acceptance",

@@ -103,7 +103,7 @@ class MetricsSnapshot:
     acceptance: float | None = None  # the goodput policy's estimate
     acceptance_source: str | None = None
     # The goodput policy's step-time table: {(mode, batch_max): seconds}.
-    step_seconds: dict[tuple[str, int], float] | None = None
+    step_costs: list[dict] | None = None  # the start-up cost table (STEP_SECONDS_GAUGE rows)
 
     @property
     def has_plugin_metrics(self) -> bool:
@@ -151,7 +151,7 @@ def parse_metrics(text: str) -> MetricsSnapshot:
     catch_ups: dict[str, float] = {}
     summed: dict[str, float] = {}
     acceptance: tuple[float, str | None] | None = None
-    step_seconds: dict[tuple[str, int], float] = {}
+    step_costs: list[dict] = []
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == MODE:
@@ -171,12 +171,19 @@ def parse_metrics(text: str) -> MetricsSnapshot:
             elif s.name == ACCEPTANCE_GAUGE and s.value == s.value:  # NaN: no estimate from this source
                 acceptance = (s.value, s.labels.get("source"))
             elif s.name == STEP_SECONDS_GAUGE and s.value == s.value:
-                step_seconds[(s.labels.get("mode", ""), int(s.labels.get("batch_max", "0")))] = s.value
+                step_costs.append(
+                    {
+                        "mode": s.labels.get("mode", ""),
+                        "batch_size": int(s.labels.get("batch_size", "0")),
+                        "context_len": int(s.labels.get("context_len", "0")),
+                        "seconds": s.value,
+                    }
+                )
     snap = MetricsSnapshot(num_running_reqs=running)
     if acceptance is not None:
         snap.acceptance, snap.acceptance_source = acceptance
-    if step_seconds:
-        snap.step_seconds = step_seconds
+    if step_costs:
+        snap.step_costs = step_costs
     if modes:
         snap.mode = int(max(modes) > 0.5)
         snap.mode_consistent = len({int(m > 0.5) for m in modes}) == 1
