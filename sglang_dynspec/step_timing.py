@@ -14,7 +14,7 @@ sizes and context lengths (:func:`default_grid`). Each point: ``warmup`` untimed
 steps per mode, then the median of ``repeats`` timed ones (CUDA events on CUDA, with a
 synchronize around each step: this is start-up, not the hot path; the host clock
 elsewhere). Points are measured coarse-to-fine (:func:`measurement_order`) until the
-time budget is spent. Every TP rank runs the same steps in the same order (they
+time budget is spent (``SGLANG_DYNSPEC_CALIBRATE_SECONDS``, 15 s by default). Every TP rank runs the same steps in the same order (they
 contain collectives): the grid and each go/stop decision are the first rank's.
 
 Torch, ``compat`` and the plugin's own step code only; no SGLang import.
@@ -23,6 +23,8 @@ Torch, ``compat`` and the plugin's own step code only; no SGLang import.
 from __future__ import annotations
 
 import logging
+import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -30,13 +32,17 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_dynspec import compat
+from sglang_dynspec import compat, config
 from sglang_dynspec.device_timer import DeviceTimer
 from sglang_dynspec.plain_step import run_plain_decode
 
 logger = logging.getLogger("sglang_dynspec")
 
 CALIBRATE_ENV = "SGLANG_DYNSPEC_CALIBRATE"
+# Wall time the calibration may take (the first rank's clock); what is left of the
+# grid when it is spent is not measured.
+BUDGET_ENV = "SGLANG_DYNSPEC_CALIBRATE_SECONDS"
+DEFAULT_BUDGET_SECONDS = 15.0
 MODES = ("plain", "spec")
 
 # Batch sizes about 1.5-2x apart, and context lengths, before the limits cut them.
@@ -83,6 +89,20 @@ class StepLimits:
     def context_lens(self, wanted: Sequence[int]) -> list[int]:
         """``wanted``, each capped at the longest context, without duplicates."""
         return sorted({min(c, self.max_context_len) for c in wanted if c >= 1 and self.max_context_len >= 1})
+
+
+def budget_from_environ(environ=os.environ) -> float:
+    """``SGLANG_DYNSPEC_CALIBRATE_SECONDS``, or :data:`DEFAULT_BUDGET_SECONDS`."""
+    raw = environ.get(BUDGET_ENV, "").strip()
+    if not raw:
+        return DEFAULT_BUDGET_SECONDS
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (seconds >= 0 and math.isfinite(seconds)):
+        raise config.ConfigError(f"{BUDGET_ENV}={raw!r}: expected a number of seconds >= 0")
+    return seconds
 
 
 def step_limits(spec_worker, plain_graph) -> StepLimits:
@@ -249,11 +269,12 @@ def measure_step_costs(
     *,
     warmup: int = 2,
     repeats: int = 3,
-    budget_seconds: float = 15.0,
+    budget_seconds: float | None = None,
     agree: Callable[[object], object] = compat.agree_across_tensor_parallel_ranks,
 ) -> list[StepCostSample]:
     """Time a plain and a speculative decode step at each grid point, coarse to fine,
-    until ``budget_seconds`` is spent; return the samples measured (two per point).
+    until ``budget_seconds`` is spent (None: ``SGLANG_DYNSPEC_CALIBRATE_SECONDS``, else
+    15 s; the first rank's clock decides); return the samples measured (two per point).
 
     ``plain_graph``: the plain decode graph (``PlainDecodeGraph``) the plain steps
     replay, or None (eager, as the worker runs them then). Batch sizes beyond the
@@ -261,6 +282,8 @@ def measure_step_costs(
     are left out, and contexts are capped at the model's (:class:`StepLimits`): such
     steps would not run as serving runs them. Every TP rank must call this at the same point.
     """
+    if budget_seconds is None:
+        budget_seconds = budget_from_environ()
     limits = step_limits(spec_worker, plain_graph)
     points = agree(measurement_order(limits.batch_sizes(batch_sizes), limits.context_lens(context_lens)))
     eager_steps = []

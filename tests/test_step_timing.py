@@ -9,12 +9,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sglang_dynspec.config import ConfigError
 from sglang_dynspec.step_timing import (
     BATCH_LADDER,
+    BUDGET_ENV,
+    DEFAULT_BUDGET_SECONDS,
     EAGER_BATCH_LADDER,
     EAGER_CONTEXT_LADDER,
     StepCostSample,
     StepLimits,
+    budget_from_environ,
     coarse_to_fine,
     format_step_costs,
     grid_for,
@@ -164,3 +168,12 @@ def test_table_lists_every_point_in_milliseconds():
     assert lines[4].split() == ["context", "256", "|", "batch", "1", "16"]
     assert lines[5].split() == ["|", "plain", "2.100", "-"]
     assert lines[6].split() == ["|", "spec", "4.300", "-"]
+
+
+def test_budget_comes_from_the_environment():
+    assert budget_from_environ({}) == DEFAULT_BUDGET_SECONDS == 15.0
+    assert budget_from_environ({BUDGET_ENV: " 120 "}) == 120.0
+    assert budget_from_environ({BUDGET_ENV: "0"}) == 0.0
+    for bad in ("-1", "soon", "nan", "inf"):
+        with pytest.raises(ConfigError, match=BUDGET_ENV):
+            budget_from_environ({BUDGET_ENV: bad})
