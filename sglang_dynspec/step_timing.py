@@ -224,6 +224,18 @@ def median_step_seconds(step: Callable[[], object], device, *, warmup: int, repe
     return statistics.median(times)
 
 
+def _mode_steps(spec_worker, plain_graph, synthetic, last: dict) -> dict[str, Callable[[], None]]:
+    """One step of each mode on ``synthetic``'s batch; each keeps its result in ``last``."""
+
+    def plain():
+        last["plain"] = run_plain_decode(spec_worker, synthetic.next_batch(), plain_graph).result
+
+    def spec():
+        last["spec"] = compat.run_speculative_decode(spec_worker, synthetic.next_batch())
+
+    return {"plain": plain, "spec": spec}
+
+
 def measure_point(
     spec_worker,
     plain_graph,
@@ -239,26 +251,35 @@ def measure_point(
     last step replayed no CUDA graph where one was expected (the plain graph, when
     given, for ``plain``; the target's verify graph for ``spec``)."""
     last = {}
-    runs = {
-        "plain": lambda: run_plain_decode(spec_worker, synthetic.next_batch(), plain_graph).result,
-        "spec": lambda: compat.run_speculative_decode(spec_worker, synthetic.next_batch()),
-    }
-
-    def step(mode):
-        def run():
-            last[mode] = runs[mode]()
-
-        return run
-
     samples = []
     with compat.synthetic_decode_batch(spec_worker, batch_size, context_len) as synthetic:
+        steps = _mode_steps(spec_worker, plain_graph, synthetic, last)
         for mode in MODES:
-            seconds = median_step_seconds(step(mode), spec_worker.device, warmup=warmup, repeats=repeats)
+            seconds = median_step_seconds(steps[mode], spec_worker.device, warmup=warmup, repeats=repeats)
             samples.append(StepCostSample(mode, batch_size, context_len, seconds))
     if eager_steps is not None:
         expected = ("plain", "spec") if plain_graph is not None else ("spec",)
         eager_steps += [(m, batch_size, context_len) for m in expected if not last[m].can_run_cuda_graph]
     return samples
+
+
+def warm_up(spec_worker, plain_graph, points: Sequence[tuple[int, int]], steps: int) -> None:
+    """``steps`` (at least one) untimed steps of both modes at each point, before any
+    point is timed.
+
+    The first steps of a new batch shape build what SGLang builds lazily: Triton
+    kernels on CUDA (its graphs replay kernels already built), and on the CPU the
+    ``torch.compile``'d draft helpers, compiled again when a batch of several requests
+    follows one of a single request (size 1 is specialised), seconds each on a small
+    machine. Warming up every batch size of the grid once, at the shortest context,
+    keeps those compilations out of the timed steps of every point.
+    """
+    last = {}
+    for bs, ctx in points:
+        with compat.synthetic_decode_batch(spec_worker, bs, ctx) as synthetic:
+            for step in _mode_steps(spec_worker, plain_graph, synthetic, last).values():
+                for _ in range(max(1, steps)):
+                    step()
 
 
 def measure_step_costs(
@@ -278,14 +299,19 @@ def measure_step_costs(
 
     ``plain_graph``: the plain decode graph (``PlainDecodeGraph``) the plain steps
     replay, or None (eager, as the worker runs them then). Batch sizes beyond the
-    request pool, the max running requests or the largest captured decode graph, and
-    are left out, and contexts are capped at the model's (:class:`StepLimits`): such
-    steps would not run as serving runs them. Every TP rank must call this at the same point.
+    request pool, the max running requests or the largest captured decode graph are
+    left out, and contexts are capped at the model's (:class:`StepLimits`): such steps
+    would not run as serving runs them. Every batch size is warmed up first
+    (:func:`warm_up`; not counted in the budget). Every TP rank must call this at the
+    same point.
     """
     if budget_seconds is None:
         budget_seconds = budget_from_environ()
     limits = step_limits(spec_worker, plain_graph)
     points = agree(measurement_order(limits.batch_sizes(batch_sizes), limits.context_lens(context_lens)))
+    if points:
+        shortest = min(ctx for _, ctx in points)
+        warm_up(spec_worker, plain_graph, [(bs, shortest) for bs in sorted({bs for bs, _ in points})], warmup)
     eager_steps = []
     samples = run_within_budget(
         points,
