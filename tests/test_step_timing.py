@@ -177,3 +177,52 @@ def test_budget_comes_from_the_environment():
     for bad in ("-1", "soon", "nan", "inf"):
         with pytest.raises(ConfigError, match=BUDGET_ENV):
             budget_from_environ({BUDGET_ENV: bad})
+
+
+def test_measure_step_costs_warms_up_every_batch_size_then_times_each_point(monkeypatch, caplog):
+    """The orchestration, on fake steps: warm-up at every batch size of the grid (shortest
+    context), then per point ``warmup`` + ``repeats`` steps of each mode; a step that
+    replayed no graph where the limits say graphs exist is named in a warning."""
+    import contextlib
+    import types
+
+    import sglang_dynspec.step_timing as step_timing
+
+    calls = []
+
+    @contextlib.contextmanager
+    def synthetic_decode_batch(spec_worker, bs, ctx):
+        yield types.SimpleNamespace(next_batch=lambda: (bs, ctx))
+
+    def plain(spec_worker, batch, plain_graph):
+        calls.append(("plain", *batch))
+        return types.SimpleNamespace(result=types.SimpleNamespace(can_run_cuda_graph=True))
+
+    def spec(spec_worker, batch):
+        calls.append(("spec", *batch))
+        return types.SimpleNamespace(can_run_cuda_graph=batch[0] != 4)  # 4 requests: eager
+
+    limits = StepLimits(max_batch_size=16, max_context_len=300, graph_batch_sizes=(1, 4, 16))
+    monkeypatch.setattr(step_timing, "step_limits", lambda worker, graph: limits)
+    monkeypatch.setattr(step_timing.compat, "synthetic_decode_batch", synthetic_decode_batch)
+    monkeypatch.setattr(step_timing.compat, "run_speculative_decode", spec)
+    monkeypatch.setattr(step_timing, "run_plain_decode", plain)
+    worker = types.SimpleNamespace(device="cpu")
+    samples = step_timing.measure_step_costs(
+        worker,
+        object(),
+        [1, 4, 16, 32],
+        [64, 256, 512],
+        warmup=1,
+        repeats=3,
+        budget_seconds=60,
+        agree=lambda x: x,
+    )
+    warm = [("plain", bs, 64) for bs in (1, 4, 16)]
+    assert [c for c in calls[:6] if c[0] == "plain"] == warm and len(calls[:6]) == 6
+    points = measurement_order([1, 4, 16], [64, 256, 300])
+    assert [(s.batch_size, s.context_len) for s in samples[::2]] == points
+    assert [s.mode for s in samples] == ["plain", "spec"] * len(points)
+    assert len(calls) == 6 + len(points) * 2 * (1 + 3)
+    assert "3 steps ran without their CUDA graph" in caplog.text
+    assert "('spec', 4, 64)" in caplog.text

@@ -5,11 +5,14 @@
 # tokens), each serving a short load afterwards (and showing no KV in use once idle),
 # and one start without calibration for the start-up time it adds. Prints each
 # server's step-cost table, its calibration warnings (steps that replayed no CUDA
-# graph) and its start time.
+# graph) and its scheduler start-up time (scheduler_e2e). The cost cache is off, so
+# every calibrating server times its own table. Results of 2026-12-02:
+# benchmarks/results/h200-20261202-calibration/.
 # Usage (on the device, repo root): bash benchmarks/h200/calibration_check.sh
 set -u
 source .gpu/device-env.sh || exit 1
 source benchmarks/h200/lib.sh
+export SGLANG_DYNSPEC_COST_CACHE=off
 
 TOPK1=(--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)
 TOPK4=(--speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 16)
@@ -23,8 +26,9 @@ run() {  # run NAME CALIBRATE [server args...]
   curl -s "$URL/v1/loads" | python3 -c "import json,sys; print(json.dumps({'cfg': '$name', 'kv_used_idle': \
     [l['num_used_tokens'] for l in json.load(sys.stdin)['loads']]}))"
   stop_server
-  grep -A 13 "step costs" "$OUT/server_$name.log" | sed 's/^\[[^]]*\] //'
+  grep -A 14 "step costs" "$OUT/server_$name.log" | sed 's/^\[[^]]*\] //' | cut -c1-160
   grep -E "calibration|Traceback|Error" "$OUT/server_$name.log" | grep -v Capturing | head -10
+  grep -o "scheduler_e2e=[0-9.]*" "$OUT/server_$name.log"
 }
 
 run calib-overlap 1 "${TOPK1[@]}"
