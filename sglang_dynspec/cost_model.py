@@ -141,7 +141,13 @@ class CostCorrections:
         table = self.device if kind == "device" else self.host
         key, ratio = (mode, bucket_of(batch_size)), measured / predicted
         old = table.get(key)
-        table[key] = ratio if old is None else old + self.alpha * (ratio - old)
+        if old is None:
+            table[key] = ratio
+            return
+        # One sample moves the average by at most a factor of 2 before averaging: a step
+        # stalled by something else (a compile, another process) is not a cost change.
+        ratio = min(max(ratio, old / 2), old * 2)
+        table[key] = old + self.alpha * (ratio - old)
 
     def snapshot(self) -> dict:
         """A plain dict that every TP rank can be handed (``agree``)."""

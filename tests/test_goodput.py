@@ -296,6 +296,19 @@ def test_a_corrupt_or_foreign_cache_file_is_measured_over(tmp_path):
     assert read_cached(tmp_path, KEY) is None
 
 
+def test_a_table_cut_short_by_the_budget_is_not_cached(tmp_path):
+    table = measured_table(linear_costs())
+    got = startup_costs(KEY, tmp_path, lambda: table.points[:3], lambda x: x, True, expected_points=36)
+    assert len(got.table.points) == 3 and read_cached(tmp_path, KEY) is None
+
+
+def test_one_stalled_step_moves_a_correction_by_at_most_a_factor_of_two():
+    c = CostCorrections(alpha=1.0)
+    c.observe("device", S, 8, 1.0, 1.0)
+    c.observe("device", S, 8, 100.0, 1.0)
+    assert c.device[(S, bucket_of(8))] == 2.0
+
+
 def test_other_ranks_take_the_first_ranks_cache_answer(tmp_path):
     """Only the first rank reads the cache; every rank measures or none does."""
     table = measured_table(linear_costs())
@@ -308,9 +321,9 @@ def test_other_ranks_take_the_first_ranks_cache_answer(tmp_path):
 
 
 # -------------------------------------------------------------------------- controller
-def test_controller_builds_itself_from_settings_with_goodput_by_default():
+def test_controller_builds_itself_from_settings():
     c = ModeController.from_settings(
-        config.settings_from_environ({}),
+        config.settings_from_environ({config.POLICY.env: "goodput"}),
         first_rank=False,
         metrics_enabled=False,
         labels={},
