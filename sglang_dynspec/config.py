@@ -8,12 +8,13 @@ value to an environment variable at parse time; the spawned scheduler processes
 inherit the environment and the worker reads it there. With ``sglang.Engine(...)``
 there is no command line, so the environment variables are the interface.
 
-Defaults come from the H200 measurement in BENCHMARKS.md (Llama-3.1-8B shape, EAGLE-3
-with acceptance 3.0, 2026-11-29): EAGLE-3 / baseline throughput was 1.08 at
-concurrency 32 and 0.81 at 64, so speculation stops paying for itself between 32
-and 64 running requests. Plain decode above 32, speculation again at or below 28
-(1/8 lower, so a batch that hovers around 32 does not flap), and at least 8 decode
-steps between two switches.
+Defaults come from the H200 measurements of 2026-11-29 (Llama-3.1-8B shape, EAGLE-3
+with acceptance 3.0; BENCHMARKS.md, rows in benchmarks/results/h200-20261129.jsonl):
+EAGLE-3 beat the baseline at concurrency 32 and lost to it at 64, so speculation
+stops paying for itself between 32 and 64 running requests. Plain decode above
+DEFAULT_DISABLE_ABOVE, speculation again at or below default_enable_at_or_below of it
+(1/8 lower, so a batch that hovers around it does not flap), and at least
+DEFAULT_MIN_DWELL_STEPS decode steps between two switches.
 """
 
 from __future__ import annotations
