@@ -70,65 +70,6 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
 SGLANG_VERSION: str = getattr(sglang, "__version__", "unknown")
-SUPPORTED_SGLANG = "sglang>=0.5.17,<0.6"
-
-__all__ = [
-    "CaptureHiddenMode",
-    "CustomSpecAlgo",
-    "DecodeCudaGraphRunner",
-    "EAGLEWorkerV2",
-    "EagleDraftInput",
-    "ForwardMode",
-    "HOST_SYMBOLS",
-    "HostSymbols",
-    "OPTIONAL_BATCH_FIELDS",
-    "READ_DONE_EVENT",
-    "SGLANG_VERSION",
-    "SUPPORTED_SGLANG",
-    "ScheduleBatch",
-    "SpeculativeAlgorithm",
-    "WAR_RUNNER_PROPERTY",
-    "accept_counters",
-    "agree_across_tensor_parallel_ranks",
-    "SyntheticDecodeBatch",
-    "decode_batch_size",
-    "draft_steps",
-    "mean_context_len",
-    "decode_graph_batch_sizes",
-    "gather_across_tensor_parallel_ranks",
-    "draft_extend_contexts",
-    "draft_passes",
-    "fill_draft_kv",
-    "is_decode_step",
-    "is_idle_step",
-    "is_registered",
-    "metrics_enabled",
-    "missing_host_symbols",
-    "needs_per_token_penalties",
-    "new_attention_backend",
-    "new_future_map",
-    "pending_tokens",
-    "register_algorithm",
-    "register_cli_args_hook",
-    "request_pool_index",
-    "request_pool_indices",
-    "request_pool_size",
-    "request_to_token_table",
-    "run_draft_extend",
-    "run_speculative_decode",
-    "run_target_decode",
-    "served_model_name",
-    "set_optional_batch_fields",
-    "spec_forward_kwargs",
-    "speculative_kv_reserve",
-    "synthetic_batch_limits",
-    "synthetic_decode_batch",
-    "table_names",
-    "target_hidden_dtype",
-    "target_hidden_width",
-    "tag_step_mode",
-    "tensor_parallel_rank",
-]
 
 
 # ------------------------------------------------------------------------ the table
@@ -159,7 +100,7 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
     HostSymbols(HookType, ("AFTER",)),
     HostSymbols(ServerArgs, ("add_cli_args",)),
     HostSymbols(overlap_utils, ("FutureMap",)),
-    # Server arguments read by the plugin (plugin.py, config.unsupported_reason).
+    # Server arguments read by the plugin (plugin.py, refusals.unsupported_reason).
     HostSymbols(
         ServerArgs,
         (

@@ -8,20 +8,20 @@ value to an environment variable at parse time; the spawned scheduler processes
 inherit the environment and the worker reads it there. With ``sglang.Engine(...)``
 there is no command line, so the environment variables are the interface.
 
-Defaults come from the H200 measurement in BENCHMARKS.md (Llama-3.1-8B shape, EAGLE-3
-with acceptance 3.0, 2026-11-29): EAGLE-3 / baseline throughput was 1.08 at
-concurrency 32 and 0.81 at 64, so speculation stops paying for itself between 32
-and 64 running requests. Plain decode above 32, speculation again at or below 28
-(1/8 lower, so a batch that hovers around 32 does not flap), and at least 8 decode
-steps between two switches.
+Defaults come from the H200 measurements of 2026-11-29 (Llama-3.1-8B shape, EAGLE-3
+with acceptance 3.0; BENCHMARKS.md, rows in benchmarks/results/h200-20261129.jsonl):
+EAGLE-3 beat the baseline at concurrency 32 and lost to it at 64, so speculation
+stops paying for itself between 32 and 64 running requests. Plain decode above
+DEFAULT_DISABLE_ABOVE, speculation again at or below default_enable_at_or_below of it
+(1/8 lower, so a batch that hovers around it does not flap), and at least
+DEFAULT_MIN_DWELL_STEPS decode steps between two switches.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import Field, dataclass, field, fields
 
 from sglang_dynspec.goodput import GoodputPolicy, GoodputSettings
 from sglang_dynspec.policy import ModePolicy, SwitchThresholds, ThresholdPolicy
@@ -214,42 +214,60 @@ def catch_up_tokens_from_environ(environ: Mapping[str, str] = os.environ) -> int
     return value
 
 
+_SOURCE = "source"  # the key of a Settings field's metadata: the flag or variable that sets it
+
+
+def _set_by(source: str):
+    """A ``Settings`` field and the flag or variable that sets it."""
+    return field(metadata={_SOURCE: source})
+
+
 @dataclass(frozen=True)
 class Settings:
-    """Every plugin setting of one process, validated."""
+    """Every plugin setting of one process, validated.
 
-    policy: str  # one of POLICIES
-    thresholds: SwitchThresholds
-    speculation_bound: int | None  # goodput: the disable threshold when given explicitly
-    catch_up_tokens: int  # 0: no draft catch-up
-    penalties: str  # one of PENALTY_MODES
-    plain_cuda_graph: bool  # False: plain steps run eagerly (saves the graph's memory)
-    request_modes: bool  # True: per-request step modes in meta_info (REQUEST_MODES_KEY)
-    simulated_acceptance: float | None  # SGLANG_SIMULATE_ACC_LEN, benchmarks only
+    Each field names the flag or variable that sets it (``_set_by``): the cross-rank
+    check (:func:`settings_disagreement`) compares every field and names its source,
+    and refuses a field declared without one.
+    """
 
-
-# Which flag or variable sets each Settings field (for the cross-rank check's message).
-_SETTING_SOURCES = {
-    "policy": POLICY.describe(),
-    "thresholds": f"{DISABLE_THRESHOLD.option} / {ENABLE_THRESHOLD.option} / {MIN_DWELL.option}",
-    "speculation_bound": DISABLE_THRESHOLD.describe(),
-    "catch_up_tokens": CATCH_UP_TOKENS.describe(),
-    "penalties": PENALTIES.describe(),
-    "plain_cuda_graph": PLAIN_CUDA_GRAPH_ENV,
-    "request_modes": REQUEST_MODES_ENV,
-    "simulated_acceptance": SIMULATED_ACCEPTANCE_ENV,
-}
+    policy: str = _set_by(POLICY.describe())  # one of POLICIES
+    thresholds: SwitchThresholds = _set_by(
+        f"{DISABLE_THRESHOLD.option} / {ENABLE_THRESHOLD.option} / {MIN_DWELL.option}"
+    )
+    # goodput: the disable threshold when given explicitly
+    speculation_bound: int | None = _set_by(DISABLE_THRESHOLD.describe())
+    catch_up_tokens: int = _set_by(CATCH_UP_TOKENS.describe())  # 0: no draft catch-up
+    penalties: str = _set_by(PENALTIES.describe())  # one of PENALTY_MODES
+    # False: plain steps run eagerly (saves the graph's memory)
+    plain_cuda_graph: bool = _set_by(PLAIN_CUDA_GRAPH_ENV)
+    # True: per-request step modes in meta_info (REQUEST_MODES_KEY)
+    request_modes: bool = _set_by(REQUEST_MODES_ENV)
+    simulated_acceptance: float | None = _set_by(SIMULATED_ACCEPTANCE_ENV)  # benchmarks only
 
 
-def settings_disagreement(per_rank: list[Settings]) -> str | None:
+def _source(setting: Field) -> str:
+    """The flag or variable that sets a ``Settings`` field; a field without one is a bug."""
+    source = setting.metadata.get(_SOURCE)
+    if source is None:
+        raise TypeError(
+            f"Settings.{setting.name} does not name the flag or variable that sets it; declare it "
+            f"with _set_by(...) so that the cross-rank check can compare and name it"
+        )
+    return source
+
+
+def settings_disagreement(per_rank: Sequence[Settings]) -> str | None:
     """A message naming every setting that differs between tensor-parallel ranks, or None.
 
-    Each rank reads its own environment; a stray export on one node would make ranks
-    take different modes, catch-ups or graphs, and the next collective would hang.
+    ``per_rank``: one ``Settings`` per rank. Each rank reads its own environment; a
+    stray export on one node would make ranks take different modes, catch-ups or
+    graphs, and the next collective would hang.
     """
     lines = []
-    for name, source in _SETTING_SOURCES.items():
-        values = [getattr(s, name) for s in per_rank]
+    for setting in fields(per_rank[0]):
+        source = _source(setting)
+        values = [getattr(s, setting.name) for s in per_rank]
         if any(v != values[0] for v in values[1:]):
             shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
             lines.append(f"{source} differs between tensor-parallel ranks ({shown})")
@@ -343,109 +361,3 @@ def build_policy(settings: Settings, max_acceptance: float = 4.0) -> ModePolicy:
             )
         )
     return ThresholdPolicy(settings.thresholds)
-
-
-# Settings of SGLang that the plugin does not support yet. Each entry is
-# (attribute, predicate on its value, the flag a user sets, why).
-_UNSUPPORTED = (
-    (
-        "pp_size",
-        lambda v: v is not None and v > 1,
-        "--pp-size",
-        "pipeline parallelism relays spec-only verify inputs between stages",
-    ),
-    (
-        "enable_dp_attention",
-        bool,
-        "--enable-dp-attention",
-        "every DP rank would have to take the same mode in the same step",
-    ),
-    (
-        "enable_two_batch_overlap",
-        bool,
-        "--enable-two-batch-overlap",
-        "the plain path does not split micro-batches",
-    ),
-    (
-        "enable_pdmux",
-        bool,
-        "--enable-pdmux",
-        "PD multiplexing runs its own decode streams",
-    ),
-    (
-        "tokenizer_worker_num",
-        lambda v: v is not None and v > 1,
-        "--tokenizer-worker-num",
-        "SGLang does not load plugins in multi-tokenizer HTTP workers, which then reject the algorithm name",
-    ),
-    (
-        "disaggregation_mode",
-        lambda v: v not in (None, "null"),
-        "--disaggregation-mode",
-        "prefill/decode disaggregation hands draft state between servers, which is not handled yet",
-    ),
-    (
-        "speculative_adaptive",
-        bool,
-        "--speculative-adaptive",
-        f"{ALGORITHM_NAME} already decides when to speculate; the two controllers would fight",
-    ),
-    (
-        "enable_multi_layer_eagle",
-        bool,
-        "--enable-multi-layer-eagle",
-        "only single-layer EAGLE-3 drafts are supported",
-    ),
-    (
-        "enable_lora",
-        bool,
-        "--enable-lora",
-        "the plain decode graph would re-initialise the LoRA decode-graph metadata the verify graph shares",
-    ),
-    (
-        "lora_paths",
-        bool,
-        "--lora-paths",
-        "the plain decode graph would re-initialise the LoRA decode-graph metadata the verify graph shares",
-    ),
-    (
-        "enable_custom_logit_processor",
-        bool,
-        "--enable-custom-logit-processor",
-        "plain steps would apply a request's custom logit processor and speculative verify does not, "
-        "so its sampling would change with the mode",
-    ),
-)
-
-
-def unsupported_reason(server_args: Any) -> str | None:
-    """Why this SGLang configuration cannot run EAGLE3_DYNAMIC, or None.
-
-    Reads attributes only (works on ServerArgs, its resolving view, or a stub).
-    """
-    for attr, is_set, option, why in _UNSUPPORTED:
-        value = getattr(server_args, attr, None)
-        if is_set(value):
-            return (
-                f"{option} ({attr}={value!r}) is not supported with "
-                f"--speculative-algorithm {ALGORITHM_NAME} ({why})"
-            )
-    return None
-
-
-def draft_architecture_error(draft_path: str | None, architectures: list | None) -> str | None:
-    """Check that the draft is an EAGLE-3 model; return an error message or None."""
-    if not draft_path:
-        return (
-            f"--speculative-draft-model-path is required with --speculative-algorithm "
-            f"{ALGORITHM_NAME}: pass an EAGLE-3 draft (architecture such as "
-            "LlamaForCausalLMEagle3)"
-        )
-    if not architectures or not any("Eagle3" in a for a in architectures):
-        return (
-            f"--speculative-draft-model-path {draft_path} is not an EAGLE-3 draft "
-            f"(its config.json lists architectures {architectures!r}); "
-            f"--speculative-algorithm {ALGORITHM_NAME} accepts only EAGLE-3 drafts, whose "
-            "architecture name contains 'Eagle3' (e.g. LlamaForCausalLMEagle3)"
-        )
-    return None

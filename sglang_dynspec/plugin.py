@@ -17,11 +17,10 @@ Set ``SGLANG_DYNSPEC_ENABLED=0`` to keep the plugin from registering anything.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 
-from sglang_dynspec import config
+from sglang_dynspec import config, refusals
 
 logger = logging.getLogger("sglang_dynspec")
 
@@ -50,8 +49,9 @@ def register() -> None:
         # name"; say which internal is missing and what is supported.
         logger.error(
             "[sglang-dynspec] cannot register EAGLE3_DYNAMIC: this SGLang lacks an internal "
-            "the plugin needs (%s). Supported: sglang>=0.5.17,<0.6.",
+            "the plugin needs (%s). Supported: %s.",
             e,
+            refusals.SUPPORTED_SGLANG,
         )
         return
 
@@ -95,20 +95,6 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------------- validation
-def _draft_architectures(path: str, revision=None):
-    """The ``architectures`` list of the draft's config.json (local dir or hub id)."""
-    local = os.path.join(path, "config.json")
-    if os.path.isfile(local):
-        with open(local) as f:
-            return json.load(f).get("architectures")
-    if os.path.isdir(path):
-        return None  # a directory without config.json is not a model
-    from transformers import PretrainedConfig
-
-    config_dict, _ = PretrainedConfig.get_config_dict(path, revision=revision)
-    return config_dict.get("architectures")
-
-
 def validate_server_args(server_args) -> None:
     """Refuse, before weights load, anything EAGLE3_DYNAMIC cannot run.
 
@@ -121,16 +107,18 @@ def validate_server_args(server_args) -> None:
     if missing:
         raise RuntimeError(
             f"sglang-dynspec cannot run on the installed SGLang {compat.SGLANG_VERSION}: "
-            f"it lacks {', '.join(missing)}. Supported: {compat.SUPPORTED_SGLANG}."
+            f"it lacks {', '.join(missing)}. Supported: {refusals.SUPPORTED_SGLANG}."
         )
     config.settings_from_environ()  # raises ConfigError naming the flag
-    reason = config.unsupported_reason(server_args)
+    reason = refusals.unsupported_reason(server_args)
     if reason:
         raise config.ConfigError(reason)
     draft = getattr(server_args, "speculative_draft_model_path", None)
     try:
         architectures = (
-            _draft_architectures(draft, getattr(server_args, "speculative_draft_model_revision", None))
+            refusals.draft_architectures(
+                draft, getattr(server_args, "speculative_draft_model_revision", None)
+            )
             if draft
             else None
         )
@@ -138,7 +126,7 @@ def validate_server_args(server_args) -> None:
         raise config.ConfigError(
             f"--speculative-draft-model-path {draft}: cannot read its config.json ({e})"
         ) from e
-    error = config.draft_architecture_error(draft, architectures)
+    error = refusals.draft_architecture_error(draft, architectures)
     if error:
         raise config.ConfigError(error)
 

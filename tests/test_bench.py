@@ -24,7 +24,6 @@ from sglang_dynspec.bench.records import (
     RAMP_SUMMARY_KEYS,
     RAMP_SWITCH_KEYS,
     SWEEP_POINT_KEYS,
-    missing_keys,
     read_jsonl,
 )
 from sglang_dynspec.bench.scrape import (
@@ -40,6 +39,10 @@ from sglang_dynspec.bench.scrape import (
 from sglang_dynspec.bench.stats import ObservedSwitch, RequestTrace
 
 STEP_S = 0.01  # fake decode step
+
+
+def missing_keys(record: dict, keys) -> list[str]:
+    return [k for k in keys if k not in record]
 
 
 def approx_rel(expected, rel):

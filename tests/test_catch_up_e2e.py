@@ -34,13 +34,19 @@ import torch
 
 from dynspec_testbed.draft_kv import DUMP_DIR_ENV, load_dumps
 from dynspec_testbed.host_reads import HOST_READS_ENV, load_reports
-from dynspec_testbed.server import CpuServer, generate, wait_until_idle
+from dynspec_testbed.server import (
+    CI_ENV,
+    OVERLAP_CI_ENV,
+    assert_no_kv_left,
+    dynamic_server_args,
+    generate,
+    serve,
+    speculative_server_args,
+)
 from dynspec_testbed.workload import plugin_counters, random_requests, run_waves
 
 pytestmark = pytest.mark.server
 
-CI_ENV = {"SGLANG_IS_IN_CI": "1"}
-OVERLAP_ENV = {**CI_ENV, "SGLANG_DYNSPEC_TESTBED_OVERLAP": "1"}
 BUFFER = 4  # --speculative-catch-up-tokens in these tests
 # float32 on CPU: plain decode and verify compute the target's hidden states with
 # different kernels; the draft's K/V rows then differ by ~1e-5, junk by ~1.
@@ -66,35 +72,23 @@ COUNT_WAVES = [
 ]
 
 
-def spec_args(models, target: str, draft: str, steps: int, draft_tokens: int) -> list[str]:
-    return [
-        "--model-path",
-        models[target],
-        "--speculative-draft-model-path",
-        models[draft],
-        "--speculative-num-steps",
-        steps,
-        "--speculative-eagle-topk",
-        1,
-        "--speculative-num-draft-tokens",
-        draft_tokens,
-        "--max-running-requests",
-        16,
-        "--enable-metrics",
-    ]
+COMMON = ["--max-running-requests", 16, "--enable-metrics"]
 
 
-def dynamic_args(buffer: int) -> list[str]:
-    return [
-        "--speculative-algorithm",
-        "EAGLE3_DYNAMIC",
-        "--speculative-disable-batch-threshold",
-        3,
-        "--speculative-min-dwell-steps",
-        0,
-        "--speculative-catch-up-tokens",
-        buffer,
-    ]
+def eagle3_args(models) -> list:
+    return speculative_server_args("EAGLE3", models, extra=COMMON)
+
+
+def dynamic_args(models, buffer: int, pair: str = "random", steps: int = 3, draft_tokens: int = 4, extra=()):
+    return dynamic_server_args(
+        models,
+        pair,
+        steps=steps,
+        draft_tokens=draft_tokens,
+        disable_above=3,
+        dwell=0,
+        extra=["--speculative-catch-up-tokens", buffer, *COMMON, *extra],
+    )
 
 
 def join_while_decoding(url: str, plain_steps: int = 6, timeout: float = 120.0) -> dict[str, dict]:
@@ -117,18 +111,16 @@ def join_while_decoding(url: str, plain_steps: int = 6, timeout: float = 120.0) 
         return {rid: f.result() for rid, f in {**decoding, **joining}.items()}
 
 
-def serve(args, log: Path, env: dict[str, str], waves=None, workload=None):
-    """Run ``waves`` (or ``workload(url)``) on a server; return (outputs by rid, plugin
-    counters)."""
-    with CpuServer(args, log_path=log, env=env) as server:
-        if workload is not None:
-            outputs = workload(server.url)
-        else:
-            outputs = run_waves(server.url, waves)
-        loads = wait_until_idle(server.url, timeout=60)
-        assert all(load["num_used_tokens"] == 0 for load in loads), f"KV leak: {loads}"
-        counters = plugin_counters(server.url)
-    return {rid: out["output_ids"] for rid, out in outputs.items()}, counters
+def outputs_and_counters(args, log: Path, env: dict[str, str], waves=None, workload=None):
+    """Run ``waves`` (or ``workload(url)``) on a server; check that no KV is left once
+    idle; return (output ids by rid, plugin counters)."""
+
+    def run(url):
+        outputs = workload(url) if workload is not None else run_waves(url, waves)
+        assert_no_kv_left(url, timeout=60)
+        return {rid: out["output_ids"] for rid, out in outputs.items()}, plugin_counters(url)
+
+    return serve(args, run, log_path=log, env=env)
 
 
 def dumps_by_tokens(directory: Path) -> dict[tuple[int, ...], dict]:
@@ -159,19 +151,23 @@ def kv_mismatches(a: dict, b: dict) -> list[int]:
 def eagle3_draft_kv(tiny_models, tmp_path_factory):
     """Outputs and draft KV dumps of the always-speculating EAGLE3 server."""
     root = tmp_path_factory.mktemp("eagle3-kv")
-    args = ["--speculative-algorithm", "EAGLE3", *spec_args(tiny_models, "target", "draft", 3, 4)]
-    outputs, _ = serve(args, root / "server.log", {**CI_ENV, DUMP_DIR_ENV: str(root)}, KV_WAVES)
+    args = eagle3_args(tiny_models)
+    outputs, _ = outputs_and_counters(
+        args, root / "server.log", {**CI_ENV, DUMP_DIR_ENV: str(root)}, KV_WAVES
+    )
     return outputs, dumps_by_tokens(root)
 
 
 def run_dynamic_with_dumps(tiny_models, tmp_path, env, buffer):
-    args = [*dynamic_args(buffer), *spec_args(tiny_models, "target", "draft", 3, 4)]
-    outputs, counters = serve(args, tmp_path / "server.log", {**env, DUMP_DIR_ENV: str(tmp_path)}, KV_WAVES)
+    args = dynamic_args(tiny_models, buffer)
+    outputs, counters = outputs_and_counters(
+        args, tmp_path / "server.log", {**env, DUMP_DIR_ENV: str(tmp_path)}, KV_WAVES
+    )
     assert counters.steps_plain > 0 and counters.switches_to_spec >= 1, counters
     return outputs, counters, dumps_by_tokens(tmp_path)
 
 
-@pytest.mark.parametrize("scheduler_env", [CI_ENV, OVERLAP_ENV], ids=["sync", "overlap"])
+@pytest.mark.parametrize("scheduler_env", [CI_ENV, OVERLAP_CI_ENV], ids=["sync", "overlap"])
 def test_draft_kv_after_catch_up_equals_always_speculating(
     tiny_models, eagle3_draft_kv, tmp_path, scheduler_env
 ):
@@ -227,19 +223,18 @@ def test_draft_kv_with_mixed_chunks_equals_always_speculating(tiny_models, tmp_p
     requests decode in plain mode. Where each request's last buffer stands when a chunk
     mixes in depends on timing, so every request is held to the weaker bound: all
     positions but its last BUFFER equal the EAGLE3 server's."""
-    common = spec_args(tiny_models, "target", "draft", 3, 4)
     reference_dir, dynamic_dir = tmp_path / "eagle3", tmp_path / "dynamic"
     reference_dir.mkdir()
     dynamic_dir.mkdir()
-    reference_outputs, _ = serve(
-        ["--speculative-algorithm", "EAGLE3", *common],
+    reference_outputs, _ = outputs_and_counters(
+        eagle3_args(tiny_models),
         reference_dir / "server.log",
         {**CI_ENV, DUMP_DIR_ENV: str(reference_dir)},
         workload=join_while_decoding,
     )
     mixed = ["--enable-mixed-chunk", "--chunked-prefill-size", 32]
-    outputs, counters = serve(
-        [*dynamic_args(BUFFER), *common, *mixed],
+    outputs, counters = outputs_and_counters(
+        dynamic_args(tiny_models, BUFFER, extra=mixed),
         dynamic_dir / "server.log",
         {**CI_ENV, DUMP_DIR_ENV: str(dynamic_dir)},
         workload=join_while_decoding,
@@ -257,8 +252,8 @@ def test_draft_kv_with_mixed_chunks_equals_always_speculating(tiny_models, tmp_p
 
 
 def counting_run(tiny_models, tmp_path, env, buffer):
-    args = [*dynamic_args(buffer), *spec_args(tiny_models, "target-count", "draft-count", 1, 2)]
-    outputs, counters = serve(args, tmp_path / "server.log", env, COUNT_WAVES)
+    args = dynamic_args(tiny_models, buffer, "count", steps=1, draft_tokens=2)
+    outputs, counters = outputs_and_counters(args, tmp_path / "server.log", env, COUNT_WAVES)
     assert counters.switches_to_plain >= 1 and counters.switches_to_spec >= 1, counters
     prompts = {r.rid: r.input_ids for wave in COUNT_WAVES for r in wave}
     for rid, ids in outputs.items():
@@ -267,7 +262,7 @@ def counting_run(tiny_models, tmp_path, env, buffer):
     return counters
 
 
-@pytest.mark.parametrize("scheduler_env", [CI_ENV, OVERLAP_ENV], ids=["sync", "overlap"])
+@pytest.mark.parametrize("scheduler_env", [CI_ENV, OVERLAP_CI_ENV], ids=["sync", "overlap"])
 def test_first_step_after_resume_accepts_as_many_as_steady_state(tiny_models, tmp_path, scheduler_env):
     counters = counting_run(tiny_models, tmp_path, scheduler_env, BUFFER)
     assert counters.resume_requests >= 1, counters

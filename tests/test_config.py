@@ -1,12 +1,13 @@
-"""Flag values, defaults and the messages a user sees for bad input (pure Python)."""
+"""Flag values, defaults, refusals and the messages a user sees for bad input (pure Python)."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
 
-from sglang_dynspec import config
+from sglang_dynspec import config, refusals
 from sglang_dynspec.config import (
     CATCH_UP_TOKENS,
     DISABLE_THRESHOLD,
@@ -123,20 +124,20 @@ def test_unsupported_setups_are_named(attrs, option):
     args = types.SimpleNamespace(pp_size=1, **{k: v for k, v in attrs.items() if k != "pp_size"})
     if "pp_size" in attrs:
         args.pp_size = attrs["pp_size"]
-    reason = config.unsupported_reason(args)
+    reason = refusals.unsupported_reason(args)
     assert reason is not None and option in reason and "EAGLE3_DYNAMIC" in reason
 
 
 def test_supported_setup_has_no_reason():
     args = types.SimpleNamespace(pp_size=1, enable_dp_attention=False, enable_two_batch_overlap=False)
-    assert config.unsupported_reason(args) is None
+    assert refusals.unsupported_reason(args) is None
 
 
 def test_draft_checks():
-    assert "required" in config.draft_architecture_error(None, None)
-    msg = config.draft_architecture_error("/m/llama", ["LlamaForCausalLM"])
+    assert "required" in refusals.draft_architecture_error(None, None)
+    msg = refusals.draft_architecture_error("/m/llama", ["LlamaForCausalLM"])
     assert "--speculative-draft-model-path /m/llama" in msg and "EAGLE-3" in msg
-    assert config.draft_architecture_error("/m/d", ["LlamaForCausalLMEagle3"]) is None
+    assert refusals.draft_architecture_error("/m/d", ["LlamaForCausalLMEagle3"]) is None
 
 
 @pytest.mark.parametrize("raw, expected", [(None, False), ("0", False), ("1", True), ("on", True)])
@@ -168,3 +169,18 @@ def test_penalties_that_differ_between_ranks_are_named():
     relaxed = config.settings_from_environ({config.PENALTIES.env: "relaxed"})
     message = config.settings_disagreement([exact, relaxed])
     assert "--speculative-penalties" in message and "rank 0: exact, rank 1: relaxed" in message
+
+
+def test_a_setting_without_a_source_fails_the_cross_rank_check():
+    """A Settings field added without the flag or variable that sets it cannot slip
+    past the cross-rank check: the check compares every field and names its source."""
+
+    @dataclasses.dataclass(frozen=True)
+    class WithNewField(config.Settings):
+        new_field: int = 0
+
+    base = config.settings_from_environ({})
+    assert config.settings_disagreement([base, base]) is None  # every field of Settings has one
+    same = WithNewField(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
+    with pytest.raises(TypeError, match="Settings.new_field does not name the flag or variable"):
+        config.settings_disagreement([same, same])

@@ -20,7 +20,16 @@ import re
 
 import pytest
 
-from dynspec_testbed.server import CpuServer, dynamic_server_args, wait_until_idle
+from dynspec_testbed.server import (
+    CI_ENV,
+    OVERLAP_CI_ENV,
+    CpuServer,
+    assert_no_kv_left,
+    baseline_server_args,
+    dynamic_server_args,
+    retracting,
+    serve,
+)
 from dynspec_testbed.workload import (
     compare_outputs,
     plugin_counters,
@@ -33,9 +42,6 @@ from dynspec_testbed.workload import (
 from sglang_dynspec.config import REQUEST_MODES_ENV, REQUEST_MODES_KEY
 
 pytestmark = pytest.mark.server
-
-CI_ENV = {"SGLANG_IS_IN_CI": "1"}
-OVERLAP_ENV = {**CI_ENV, "SGLANG_DYNSPEC_TESTBED_OVERLAP": "1"}
 
 # ----------------------------------------------------------------- request sets
 # Wave sizes go up past and back below the thresholds used below (3 and 5).
@@ -84,14 +90,20 @@ def run_sets(url: str, sets: dict[str, list], staggered: bool) -> dict[str, dict
 def reference(tiny_models, tmp_path_factory) -> dict[str, dict[str, dict]]:
     """Greedy outputs of non-speculative servers: random target and agreeing target."""
     logs = tmp_path_factory.mktemp("reference-logs")
-    out = {}
-    with CpuServer(["--model-path", tiny_models["target"]], log_path=logs / "random.log", env=CI_ENV) as s:
-        out["random"] = run_sets(s.url, RANDOM_PAIR_SETS, staggered=True)
-    with CpuServer(
-        ["--model-path", tiny_models["target-agree"]], log_path=logs / "agree.log", env=CI_ENV
-    ) as s:
-        out["agree"] = {**run_waves(s.url, WAVES), **run_waves(s.url, CRASH_WAVES)}
-    return out
+    return {
+        "random": serve(
+            baseline_server_args(tiny_models, "random"),
+            lambda url: run_sets(url, RANDOM_PAIR_SETS, staggered=True),
+            log_path=logs / "random.log",
+            env=CI_ENV,
+        ),
+        "agree": serve(
+            baseline_server_args(tiny_models, "agree"),
+            lambda url: {**run_waves(url, WAVES), **run_waves(url, CRASH_WAVES)},
+            log_path=logs / "agree.log",
+            env=CI_ENV,
+        ),
+    }
 
 
 def dynamic_args(models, pair: str, *, extra=(), **settings) -> list:
@@ -110,9 +122,7 @@ def assert_identical(reference: dict[str, dict], got: dict[str, dict]) -> None:
 
 
 def assert_switched_both_ways_and_no_leak(server: CpuServer) -> None:
-    loads = wait_until_idle(server.url, timeout=60)
-    used = [load["num_used_tokens"] for load in loads]
-    assert all(u == 0 for u in used), f"KV tokens still in use once idle (leak): {loads}"
+    assert_no_kv_left(server.url, timeout=60)
     counters = plugin_counters(server.url)
     assert counters.has_plugin_metrics, "EAGLE3_DYNAMIC metrics missing from /metrics"
     assert counters.steps_plain > 0 and counters.steps_spec > 0, counters
@@ -157,7 +167,7 @@ def test_sync_topk4_random_pair_crash_scenario_retraction_mixed_chunk(tiny_model
     # Whether the small pool runs out depends on how requests interleave; SGLang's own
     # test switch also retracts running requests every 10th forward, so every run
     # retracts (both ways it is the real retract_decode path).
-    retract_env = {**CI_ENV, "SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "10"}
+    retract_env = {**CI_ENV, **retracting(every=10)}
     with CpuServer(args, log_path=log, env=retract_env) as server:
         got = run_sets(server.url, RANDOM_PAIR_SETS, staggered=True)
         assert_switched_both_ways_and_no_leak(server)
@@ -177,7 +187,7 @@ def test_overlap_topk4_random_pair_crash_scenario(tiny_models, reference, tmp_pa
     again, now with the publish, grammar barrier and FutureMap relay of the plain step."""
     log = tmp_path / "server.log"
     args = dynamic_args(tiny_models, "random", steps=5, topk=4, draft_tokens=16, disable_above=5, dwell=0)
-    with CpuServer(args, log_path=log, env={**OVERLAP_ENV, REQUEST_MODES_ENV: "1"}) as server:
+    with CpuServer(args, log_path=log, env={**OVERLAP_CI_ENV, REQUEST_MODES_ENV: "1"}) as server:
         got = run_sets(server.url, RANDOM_PAIR_SETS, staggered=False)
         assert_switched_both_ways_and_no_leak(server)
     assert_identical(reference["random"], got)
@@ -191,7 +201,7 @@ def test_overlap_topk1_agreeing_pair_keeps_full_acceptance(tiny_models, referenc
     """The agreeing pair accepts every draft of a chain; right after plain phases it still does."""
     steps = 3
     args = dynamic_args(tiny_models, "agree", steps=steps, topk=1, draft_tokens=4, disable_above=3, dwell=2)
-    with CpuServer(args, log_path=tmp_path / "server.log", env=OVERLAP_ENV) as server:
+    with CpuServer(args, log_path=tmp_path / "server.log", env=OVERLAP_CI_ENV) as server:
         got = {**run_waves(server.url, WAVES), **run_waves(server.url, CRASH_WAVES)}
         assert_switched_both_ways_and_no_leak(server)
         counters = plugin_counters(server.url)

@@ -15,12 +15,18 @@ from __future__ import annotations
 
 import pytest
 
-from dynspec_testbed.server import CpuServer, wait_until_idle
+from dynspec_testbed.server import (
+    OVERLAP_CI_ENV,
+    CpuServer,
+    assert_no_kv_left,
+    baseline_server_args,
+    dynamic_server_args,
+    serve,
+)
 from dynspec_testbed.workload import compare_outputs, plugin_counters, run_waves, waves_of
 
 pytestmark = pytest.mark.server
 
-ENV = {"SGLANG_IS_IN_CI": "1", "SGLANG_DYNSPEC_TESTBED_OVERLAP": "1"}
 WARM_UP = waves_of([1, 3, 1], seed=31, prefix="gp-warm", new_tokens=(40, 48))
 TAIL = waves_of([1] * 5, seed=32, prefix="gp-tail", new_tokens=(48, 56))
 # Decode steps a policy may spend in the other mode in the tail: a probe lasts the
@@ -29,31 +35,25 @@ PROBE_BUDGET = 40
 
 
 def goodput_args(models, pair: str) -> list:
-    target, draft = ("target", "draft") if pair == "random" else ("target-agree", "draft-agree")
-    return [
-        "--model-path", models[target],
-        "--speculative-algorithm", "EAGLE3_DYNAMIC",
-        "--speculative-dynamic-policy", "goodput",
-        "--speculative-draft-model-path", models[draft],
-        "--speculative-num-steps", 3, "--speculative-eagle-topk", 1, "--speculative-num-draft-tokens", 4,
-        "--speculative-min-dwell-steps", 4,
-        "--max-running-requests", 8,
-        "--enable-metrics",
-    ]  # fmt: skip
+    # No --speculative-disable-batch-threshold: with goodput it would be a hard bound.
+    extra = ["--speculative-dynamic-policy", "goodput", "--max-running-requests", 8, "--enable-metrics"]
+    return dynamic_server_args(models, pair, disable_above=None, dwell=4, extra=extra)
 
 
 def serve_and_measure(models, pair: str, tmp_path):
-    with CpuServer(["--model-path", models["target" if pair == "random" else "target-agree"]],
-                   log_path=tmp_path / "reference.log", env=ENV) as server:  # fmt: skip
-        reference = {**run_waves(server.url, WARM_UP), **run_waves(server.url, TAIL)}
+    reference = serve(
+        baseline_server_args(models, pair),
+        lambda url: {**run_waves(url, WARM_UP), **run_waves(url, TAIL)},
+        log_path=tmp_path / "reference.log",
+        env=OVERLAP_CI_ENV,
+    )
     log = tmp_path / "goodput.log"
-    with CpuServer(goodput_args(models, pair), log_path=log, env=ENV) as server:
+    with CpuServer(goodput_args(models, pair), log_path=log, env=OVERLAP_CI_ENV) as server:
         got = run_waves(server.url, WARM_UP)
         before = plugin_counters(server.url)
         got.update(run_waves(server.url, TAIL))
         after = plugin_counters(server.url)
-        loads = wait_until_idle(server.url, timeout=60)
-    assert all(load["num_used_tokens"] == 0 for load in loads), f"KV leak once idle: {loads}"
+        assert_no_kv_left(server.url, timeout=60)
     mismatches = compare_outputs(reference, got)
     assert not mismatches, (
         f"{len(mismatches)} requests differ from the non-speculative server: {mismatches[:3]}"

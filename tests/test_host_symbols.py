@@ -257,7 +257,17 @@ def test_instance_attributes_are_found_in_the_class_source(name):
 
 @pytest.mark.parametrize(
     "module",
-    ["policy", "goodput", "estimates", "cost_model", "cost_cache", "config", "telemetry", "metric_names"],
+    [
+        "policy",
+        "goodput",
+        "estimates",
+        "cost_model",
+        "cost_cache",
+        "config",
+        "refusals",
+        "telemetry",
+        "metric_names",
+    ],
 )
 def test_decision_modules_are_pure_python(module):
     """The decision logic and its inputs import neither torch nor SGLang (nor anything
@@ -269,6 +279,7 @@ def test_decision_modules_are_pure_python(module):
         "cost_model",
         "cost_cache",
         "config",
+        "refusals",
         "telemetry",
         "metric_names",
     }

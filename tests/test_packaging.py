@@ -4,13 +4,16 @@ Builds the wheel and the sdist of ``sglang-dynspec`` from this checkout (offline
 ``--no-isolation``: the build backend of the current environment), installs the
 wheel without dependencies into a fresh virtual environment, and checks there what
 every SGLang process of a user would see: one ``sglang.srt.plugins`` entry point,
-no stand-in ``sgl_kernel``, no test-bed package. Also checks the archives' file lists
-and the test bed's own distribution metadata.
+no stand-in ``sgl_kernel``, no test-bed package. Also checks the archives' file lists,
+the test bed's own distribution metadata, where each distribution's configuration
+lives, and that the supported SGLang range is the one of ``refusals``.
 """
 
 from __future__ import annotations
 
+import configparser
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -20,8 +23,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 import sglang_dynspec
+from sglang_dynspec.refusals import SUPPORTED_SGLANG
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTBED = ROOT / "testbed"
@@ -144,3 +149,28 @@ def test_test_bed_wheel_has_its_entry_point_and_the_shim(tmp_path):
     assert "eagle3_dynamic" not in entry_points
     # setuptools refuses license files outside the project directory, so testbed/ has a copy.
     assert (TESTBED / "LICENSE").read_text() == (ROOT / "LICENSE").read_text()
+
+
+@pytest.mark.parametrize("root", [ROOT, TESTBED], ids=["serving", "testbed"])
+def test_pyproject_builds_and_setup_cfg_describes(root):
+    """pyproject.toml holds the build system and the tools' settings, setup.cfg
+    setuptools' declarative metadata, options, extras and entry points: no field is
+    in both."""
+    tables = re.findall(r"^\[([^\]]+)\]", (root / "pyproject.toml").read_text(), re.MULTILINE)
+    assert [t for t in tables if t != "build-system" and not t.startswith("tool.")] == []
+    assert [t for t in tables if t.startswith("tool.setuptools")] == []
+    cfg = configparser.ConfigParser()
+    cfg.read(root / "setup.cfg")
+    assert {"metadata", "options", "options.entry_points"} <= set(cfg.sections())
+
+
+def test_the_supported_sglang_range_is_the_one_of_refusals():
+    """``refusals.SUPPORTED_SGLANG`` (the start-up messages) is the dependency the
+    distribution declares, and the range the README and compat's docstring state."""
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    requires = [Requirement(line) for line in cfg["options"]["install_requires"].split("\n") if line]
+    assert [r for r in requires if r.name == "sglang"] == [Requirement(SUPPORTED_SGLANG)]
+    for doc in (ROOT / "README.md", ROOT / "sglang_dynspec" / "compat.py"):
+        stated = set(re.findall(r"sglang\s*>=\s*[\d.]+\s*,\s*<\s*[\d.]+", doc.read_text()))
+        assert stated == {SUPPORTED_SGLANG}, doc.name

@@ -33,14 +33,11 @@ import dataclasses
 import pytest
 
 from dynspec_testbed.models import AGREE_TOKEN
-from dynspec_testbed.server import CpuServer, dynamic_server_args
+from dynspec_testbed.server import CI_ENV, OVERLAP_CI_ENV, baseline_server_args, dynamic_server_args, serve
 from dynspec_testbed.workload import compare_outputs, random_requests, run_waves
 from sglang_dynspec.config import PENALTIES, REQUEST_MODES_ENV, REQUEST_MODES_KEY
 
 pytestmark = pytest.mark.server
-
-CI_ENV = {"SGLANG_IS_IN_CI": "1"}  # EAGLE on the test bed: the synchronous scheduler
-OVERLAP_ENV = {**CI_ENV, "SGLANG_DYNSPEC_TESTBED_OVERLAP": "1"}
 
 BIAS = {"7": 1.09, "11": 1.03, "13": 0.21, "17": 1.05, "19": 0.94}
 PENALTY_PARAMS = [
@@ -65,10 +62,13 @@ WAVES = [PENALISED[:2], PENALISED[2:], BIASED]
 @pytest.fixture(scope="module")
 def reference(tiny_models, tmp_path_factory):
     log = tmp_path_factory.mktemp("penalties") / "reference.log"
-    args = ["--model-path", tiny_models["target-agree"], "--disable-overlap-schedule"]
-    with CpuServer(args, log_path=log, env=CI_ENV) as server:
-        in_waves = run_waves(server.url, WAVES)
-        at_once = run_waves(server.url, [PENALISED + BIASED])
+    args = baseline_server_args(tiny_models, "agree", extra=["--disable-overlap-schedule"])
+    in_waves, at_once = serve(
+        args,
+        lambda url: (run_waves(url, WAVES), run_waves(url, [PENALISED + BIASED])),
+        log_path=log,
+        env=CI_ENV,
+    )
     # The workload is well conditioned: other batching, same tokens.
     assert [str(m) for m in compare_outputs(in_waves, at_once)] == []
     # Penalties decide the tokens: the penalised requests do not repeat AGREE_TOKEN throughout.
@@ -81,8 +81,7 @@ def serve_dynamic(tiny_models, log, env, penalties: str | None):
     args = dynamic_server_args(
         tiny_models, "agree", extra=[] if penalties is None else [PENALTIES.option, penalties]
     )
-    with CpuServer(args, log_path=log, env={**env, REQUEST_MODES_ENV: "1"}) as server:
-        return run_waves(server.url, WAVES)
+    return serve(args, lambda url: run_waves(url, WAVES), log_path=log, env={**env, REQUEST_MODES_ENV: "1"})
 
 
 def step_modes(results, requests) -> dict[str, set[str]]:
@@ -103,7 +102,7 @@ def test_exact_penalties_decode_plain_and_equal_the_baseline(tiny_models, refere
 def test_exact_penalties_decode_plain_under_the_overlap_scheduler(tiny_models, tmp_path):
     """The decision only (see the module docstring): the overlap scheduler hands the
     worker the forward copy of the sampling state, with the penalties accumulated."""
-    got = serve_dynamic(tiny_models, tmp_path / "exact-overlap.log", OVERLAP_ENV, penalties="exact")
+    got = serve_dynamic(tiny_models, tmp_path / "exact-overlap.log", OVERLAP_CI_ENV, penalties="exact")
 
     assert all(modes == {"plain"} for modes in step_modes(got, PENALISED).values()), step_modes(
         got, PENALISED

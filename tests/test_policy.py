@@ -7,6 +7,7 @@ Pure Python, so these run without SGLang or torch.
 from __future__ import annotations
 
 import pytest
+from controller_steps import drive
 from hypothesis import event, note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -15,22 +16,13 @@ from sglang_dynspec.controller import ModeController
 from sglang_dynspec.policy import Mode, SwitchThresholds, ThresholdPolicy
 
 
-def run(controller: ModeController, sizes) -> list[Mode]:
-    modes = []
-    for bs in sizes:
-        mode = controller.before_decode(bs)
-        controller.after_decode(mode)
-        modes.append(mode)
-    return modes
-
-
 def controller(n, m, k) -> ModeController:
     return ModeController(ThresholdPolicy(SwitchThresholds(n, m, k)))
 
 
 def test_switches_off_above_n_and_back_at_m():
     c = controller(4, 2, 0)
-    modes = run(c, [1, 4, 5, 5, 3, 4, 2, 1])
+    modes = drive(c, [1, 4, 5, 5, 3, 4, 2, 1])
     S, P = Mode.SPEC, Mode.PLAIN
     assert modes == [S, S, P, P, P, P, S, S]
     assert c.stats.switches == {Mode.PLAIN: 1, Mode.SPEC: 1}
@@ -38,7 +30,7 @@ def test_switches_off_above_n_and_back_at_m():
 
 
 def test_dwell_delays_a_switch_but_does_not_cancel_it():
-    modes = run(controller(4, 2, 3), [9, 1, 1, 1, 1])
+    modes = drive(controller(4, 2, 3), [9, 1, 1, 1, 1])
     # Switches to plain at once (no earlier switch), then must stay 3 steps.
     assert modes == [Mode.PLAIN, Mode.PLAIN, Mode.PLAIN, Mode.SPEC, Mode.SPEC]
 
@@ -55,7 +47,7 @@ def test_each_switch_is_reported_once_at_the_step_it_takes_effect():
 
     rec = Recorder()
     c = ModeController(ThresholdPolicy(SwitchThresholds(1, 0, 0)), [rec])
-    run(c, [1, 5, 5, 0])
+    drive(c, [1, 5, 5, 0])
     assert [(s.step, s.batch_size, s.old, s.new) for s, _ in rec.switches] == [
         (1, 5, Mode.SPEC, Mode.PLAIN),
         (3, 0, Mode.PLAIN, Mode.SPEC),
@@ -108,8 +100,7 @@ class SwitchingMachine(RuleBasedStateMachine):
     def _step(self, bs: int) -> None:
         steps_since_switch = len(self.modes) - self.switch_steps[-1] if self.switch_steps else None
         dwell_allows = steps_since_switch is None or steps_since_switch >= self.t.min_dwell_steps
-        mode = self.controller.before_decode(bs)
-        self.controller.after_decode(mode)
+        (mode,) = drive(self.controller, [bs])
         assert self.twin.decide(bs) is mode, "two policies fed the same sizes disagreed"
         note(f"step {len(self.modes)}: batch {bs} -> {mode.value}")
 

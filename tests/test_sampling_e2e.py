@@ -18,13 +18,18 @@ import dataclasses
 
 import pytest
 
-from dynspec_testbed.server import CpuServer, dynamic_server_args, generate_concurrently
+from dynspec_testbed.server import (
+    CI_ENV,
+    baseline_server_args,
+    dynamic_server_args,
+    generate_concurrently,
+    serve,
+)
 from dynspec_testbed.workload import compare_outputs, random_requests, run_waves, split_into_waves
 from sglang_dynspec.config import REQUEST_MODES_ENV, REQUEST_MODES_KEY
 
 pytestmark = pytest.mark.server
 
-CI_ENV = {"SGLANG_IS_IN_CI": "1"}
 SIZES = [1, 6, 1, 6]  # across threshold 3 and back
 DETERMINED = [
     {"temperature": 1.0, "top_k": 1},
@@ -73,16 +78,18 @@ def run_all(url: str, greedy_reference: dict[str, dict] | None):
     return results, twins
 
 
-def serve(args, log, env=CI_ENV, greedy_reference=None):
-    with CpuServer(args, log_path=log, env=env) as server:
-        return run_all(server.url, greedy_reference)
-
-
 def test_sampling_parameters_stops_and_n_match_the_baseline(tiny_models, tmp_path):
-    ref, ref_twins = serve(["--model-path", tiny_models["target"]], tmp_path / "reference.log")
-    args = dynamic_server_args(tiny_models)
+    ref, ref_twins = serve(
+        baseline_server_args(tiny_models),
+        lambda url: run_all(url, None),
+        log_path=tmp_path / "reference.log",
+        env=CI_ENV,
+    )
     got, twins = serve(
-        args, tmp_path / "dynamic.log", {**CI_ENV, REQUEST_MODES_ENV: "1"}, greedy_reference=ref
+        dynamic_server_args(tiny_models),
+        lambda url: run_all(url, greedy_reference=ref),
+        log_path=tmp_path / "dynamic.log",
+        env={**CI_ENV, REQUEST_MODES_ENV: "1"},
     )
 
     assert [str(m) for m in compare_outputs(ref, got)] == []

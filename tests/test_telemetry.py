@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
+from controller_steps import drive as drive_steps
 from prometheus_client import CollectorRegistry
 
 from sglang_dynspec import metric_names as names
@@ -20,10 +22,8 @@ def controller(*sinks) -> ModeController:
     )
 
 
-def drive(c: ModeController, sizes, accept_lens=None):
-    for bs in sizes:
-        mode = c.before_decode(bs)
-        c.after_decode(mode, accept_lens=accept_lens, replayed_graph=mode is Mode.PLAIN)
+# The shared driver, with every plain step replaying the plain decode graph.
+drive = functools.partial(drive_steps, plain_graph=True)
 
 
 def test_switches_are_logged_with_the_steps_before_them(caplog):

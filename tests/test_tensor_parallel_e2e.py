@@ -16,32 +16,38 @@ from __future__ import annotations
 
 import pytest
 
-from dynspec_testbed.server import CpuServer, dynamic_server_args, wait_until_idle
+from dynspec_testbed.server import (
+    TWO_RANK_CI_ENV,
+    CpuServer,
+    assert_no_kv_left,
+    baseline_server_args,
+    dynamic_server_args,
+    serve,
+)
 from dynspec_testbed.workload import compare_outputs, plugin_counters, run_waves, waves_of
 from sglang_dynspec.config import REQUEST_MODES_ENV, REQUEST_MODES_KEY
 
 pytestmark = pytest.mark.server
 
-TP_ENV = {"SGLANG_IS_IN_CI": "1", "SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
 WAVES = waves_of([1, 6, 1, 6, 2, 8], seed=51, prefix="tp", new_tokens=(12, 32))
 
 
 def test_two_ranks_switch_both_ways_and_match_the_baseline(tiny_models, tmp_path):
-    with CpuServer(
-        ["--model-path", tiny_models["target"], "--tp-size", 2],
+    reference = serve(
+        baseline_server_args(tiny_models, extra=["--tp-size", 2]),
+        lambda url: run_waves(url, WAVES),
         log_path=tmp_path / "reference.log",
-        env=TP_ENV,
-    ) as server:
-        reference = run_waves(server.url, WAVES)
+        env=TWO_RANK_CI_ENV,
+    )
 
     args = dynamic_server_args(
         tiny_models, extra=["--tp-size", 2, "--speculative-catch-up-tokens", 8, "--enable-metrics"]
     )
     log = tmp_path / "dynamic.log"
-    with CpuServer(args, log_path=log, env={**TP_ENV, REQUEST_MODES_ENV: "1"}) as server:
+    with CpuServer(args, log_path=log, env={**TWO_RANK_CI_ENV, REQUEST_MODES_ENV: "1"}) as server:
         got = run_waves(server.url, WAVES)
         counters = plugin_counters(server.url)
-        idle = wait_until_idle(server.url)
+        assert_no_kv_left(server.url)
 
     assert [str(m) for m in compare_outputs(reference, got)] == []
     assert "TP1" in log.read_text(), "the second rank never started"
@@ -49,4 +55,3 @@ def test_two_ranks_switch_both_ways_and_match_the_baseline(tiny_models, tmp_path
     assert counters.catch_ups["resume"] >= 1 and counters.catch_ups["buffer_full"] >= 1, counters
     modes = [set(r["meta_info"][REQUEST_MODES_KEY]) for r in got.values()]
     assert {"plain"} in modes and {"spec"} in modes, modes
-    assert all(load["num_used_tokens"] == 0 for load in idle), idle

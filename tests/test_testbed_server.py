@@ -16,9 +16,11 @@ from dynspec_testbed.models import AGREE_TOKEN
 from dynspec_testbed.plugin import OVERLAP_ENV
 from dynspec_testbed.server import (
     CpuServer,
+    assert_no_kv_left,
+    baseline_server_args,
     generate,
     generate_concurrently,
-    wait_until_idle,
+    speculative_server_args,
 )
 
 pytestmark = pytest.mark.server
@@ -28,17 +30,8 @@ PROMPTS = [
     [0, 100, 200, 300, 400, 50, 60],
 ]
 NEW_TOKENS = 16
-# topk 1, 3 draft steps, 4 verify tokens (3 drafts + the bonus token).
-EAGLE3_ARGS = [
-    "--speculative-algorithm",
-    "EAGLE3",
-    "--speculative-num-steps",
-    "3",
-    "--speculative-eagle-topk",
-    "1",
-    "--speculative-num-draft-tokens",
-    "4",
-]
+# EAGLE3 servers (speculative_server_args): topk 1, 3 draft steps, 4 verify tokens (3 drafts +
+# the bonus token).
 
 
 def _requests():
@@ -51,11 +44,6 @@ def _requests():
 
 def _generate_all(url):
     return [generate(url, **request) for request in _requests()]
-
-
-def _assert_kv_pool_whole(url):
-    loads = wait_until_idle(url)
-    assert [load["num_used_tokens"] for load in loads] == [0] * len(loads), loads
 
 
 def hf_greedy(model_path, prompt, new_tokens):
@@ -75,9 +63,9 @@ def hf_greedy(model_path, prompt, new_tokens):
 def plain_outputs(tiny_models, tmp_path_factory):
     """Greedy output ids of a non-speculative server, one list per prompt."""
     log = tmp_path_factory.mktemp("plain") / "server.log"
-    with CpuServer(["--model-path", tiny_models["target"]], log_path=log) as server:
+    with CpuServer(baseline_server_args(tiny_models), log_path=log) as server:
         outputs = [r["output_ids"] for r in _generate_all(server.url)]
-        _assert_kv_pool_whole(server.url)
+        assert_no_kv_left(server.url)
     return outputs
 
 
@@ -91,18 +79,11 @@ def test_plain_server_matches_hf_transformers_greedy(plain_outputs, tiny_models)
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_eagle3_output_equals_non_speculative(plain_outputs, tiny_models, tmp_path, overlap):
     log = tmp_path / "server.log"
-    args = [
-        "--model-path",
-        tiny_models["target"],
-        "--speculative-draft-model-path",
-        tiny_models["draft"],
-        *EAGLE3_ARGS,
-    ]
     env = {OVERLAP_ENV: "1" if overlap else "0"}
-    with CpuServer(args, log_path=log, env=env) as server:
+    with CpuServer(speculative_server_args("EAGLE3", tiny_models), log_path=log, env=env) as server:
         sequential = _generate_all(server.url)
         concurrent = generate_concurrently(server.url, _requests(), concurrency=len(PROMPTS))
-        _assert_kv_pool_whole(server.url)
+        assert_no_kv_left(server.url)
 
     assert [r["output_ids"] for r in sequential] == plain_outputs
     assert [r["output_ids"] for r in concurrent] == plain_outputs
@@ -115,16 +96,11 @@ def test_eagle3_output_equals_non_speculative(plain_outputs, tiny_models, tmp_pa
 
 
 def test_agree_pair_accepts_every_draft(tiny_models, tmp_path):
-    args = [
-        "--model-path",
-        tiny_models["target-agree"],
-        "--speculative-draft-model-path",
-        tiny_models["draft-agree"],
-        *EAGLE3_ARGS,
-    ]
-    with CpuServer(args, log_path=tmp_path / "server.log") as server:
+    with CpuServer(
+        speculative_server_args("EAGLE3", tiny_models, "agree"), log_path=tmp_path / "server.log"
+    ) as server:
         results = _generate_all(server.url)
-        _assert_kv_pool_whole(server.url)
+        assert_no_kv_left(server.url)
 
     for result in results:
         assert result["output_ids"] == [AGREE_TOKEN] * NEW_TOKENS

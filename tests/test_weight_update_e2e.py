@@ -20,13 +20,19 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from dynspec_testbed.server import CpuServer, dynamic_server_args, wait_until_idle
+from dynspec_testbed.server import (
+    OVERLAP_CI_ENV,
+    CpuServer,
+    assert_no_kv_left,
+    baseline_server_args,
+    dynamic_server_args,
+    serve,
+)
 from dynspec_testbed.workload import compare_outputs, plugin_counters, run_waves, waves_of
 from sglang_dynspec.config import REQUEST_MODES_ENV, REQUEST_MODES_KEY
 
 pytestmark = pytest.mark.server
 
-OVERLAP_ENV = {"SGLANG_IS_IN_CI": "1", "SGLANG_DYNSPEC_TESTBED_OVERLAP": "1"}
 WAVES = waves_of([1, 6, 1, 6], seed=31, prefix="wu", new_tokens=(16, 24))
 REQUESTS = sum(len(w) for w in WAVES)
 
@@ -48,8 +54,12 @@ def serve_update_serve(url: str, path, between=None):
 @pytest.fixture(scope="module")
 def reference(tiny_models, tmp_path_factory):
     log = tmp_path_factory.mktemp("weight-update") / "reference.log"
-    with CpuServer(["--model-path", tiny_models["target"]], log_path=log, env=OVERLAP_ENV) as server:
-        return serve_update_serve(server.url, tiny_models["target-update"])
+    return serve(
+        baseline_server_args(tiny_models),
+        lambda url: serve_update_serve(url, tiny_models["target-update"]),
+        log_path=log,
+        env=OVERLAP_CI_ENV,
+    )
 
 
 def test_after_a_weight_update_both_modes_use_the_new_weights(tiny_models, reference, tmp_path):
@@ -61,7 +71,7 @@ def test_after_a_weight_update_both_modes_use_the_new_weights(tiny_models, refer
     args = dynamic_server_args(tiny_models, extra=["--enable-metrics"])
     counters = {}
     with CpuServer(
-        args, log_path=tmp_path / "dynamic.log", env={**OVERLAP_ENV, REQUEST_MODES_ENV: "1"}
+        args, log_path=tmp_path / "dynamic.log", env={**OVERLAP_CI_ENV, REQUEST_MODES_ENV: "1"}
     ) as server:
 
         def note_counters():
@@ -69,7 +79,7 @@ def test_after_a_weight_update_both_modes_use_the_new_weights(tiny_models, refer
 
         before, after = serve_update_serve(server.url, tiny_models["target-update"], note_counters)
         counters["after"] = plugin_counters(server.url)
-        idle = wait_until_idle(server.url)
+        assert_no_kv_left(server.url)
 
     assert [str(m) for m in compare_outputs(ref_before, before)] == []
     assert [str(m) for m in compare_outputs(ref_after, after)] == []
@@ -81,4 +91,3 @@ def test_after_a_weight_update_both_modes_use_the_new_weights(tiny_models, refer
         for k in ("steps_plain", "steps_spec")
     }
     assert grew["steps_plain"] > 0 and grew["steps_spec"] > 0, grew
-    assert all(load["num_used_tokens"] == 0 for load in idle), idle

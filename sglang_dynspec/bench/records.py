@@ -18,7 +18,7 @@ import datetime as _dt
 import json
 import math
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import IO
 
 SWEEP_POINT_KEYS = (
@@ -97,10 +97,6 @@ def parse_tags(items: Sequence[str] | None) -> dict[str, str]:
             raise ValueError(f"--tag {key}=... would overwrite a measured field")
         tags[key] = value
     return tags
-
-
-def missing_keys(record: dict[str, object], keys: Iterable[str]) -> list[str]:
-    return [k for k in keys if k not in record]
 
 
 def _clean(v):

@@ -8,7 +8,8 @@ install of ``sglang-dynspec`` contains none of it:
 * ``models``: tiny deterministic target / EAGLE-3 draft models.
 * ``serve``: ``python -m dynspec_testbed.serve [SGLang server args]``.
 * ``plugin``: env-gated SGLang plugin that enables the spec-v2 overlap scheduler on CPU.
-* ``server``: ``CpuServer`` context manager and HTTP request helpers.
+* ``server``: ``CpuServer`` context manager, HTTP request helpers and the end-to-end
+  tests' vocabulary (scheduler environments, server arguments, ``serve``, ``assert_no_kv_left``).
 * ``draft_kv``: draft-KV dumps of finished requests, for the catch-up tests.
 * ``workload``: request sets, load patterns and output comparison.
 * ``demo``: ``python -m dynspec_testbed.demo``, the CPU demo.

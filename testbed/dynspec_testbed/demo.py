@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     started = time.monotonic()
 
     from dynspec_testbed.models import build_models
-    from dynspec_testbed.server import CpuServer
+    from dynspec_testbed.server import CpuServer, baseline_server_args, dynamic_server_args
     from dynspec_testbed.workload import compare_outputs, count_tokens, plugin_counters, waves_of
 
     _say(f"building the tiny test-bed models in {work / 'models'}")
@@ -81,34 +81,17 @@ def main(argv=None) -> int:
     n_requests = sum(len(w) for w in waves)
 
     _say("starting a non-speculative SGLang server on the CPU (about a minute)")
-    with CpuServer(["--model-path", models["target"]], log_path=work / "reference.log") as server:
+    with CpuServer(baseline_server_args(models), log_path=work / "reference.log") as server:
         _say(f"  up in {server.startup_seconds:.0f} s; running the ramp {list(RAMP)} ({n_requests} requests)")
         reference = _run_ramp(server.url, waves, "reference")
 
     n = args.threshold
-    dyn_args = [
-        "--model-path",
-        models["target"],
-        "--speculative-algorithm",
-        "EAGLE3_DYNAMIC",
-        "--speculative-draft-model-path",
-        models["draft"],
-        "--speculative-num-steps",
-        "3",
-        "--speculative-eagle-topk",
-        "1",
-        "--speculative-num-draft-tokens",
-        "4",
-        "--speculative-disable-batch-threshold",
-        str(n),
-        "--speculative-min-dwell-steps",
-        "2",
-        "--max-running-requests",
-        "16",
-        "--enable-metrics",
-        "--log-level",
-        "info",
-    ]
+    dyn_args = dynamic_server_args(
+        models,
+        disable_above=n,
+        dwell=2,
+        extra=["--max-running-requests", 16, "--enable-metrics", "--log-level", "info"],
+    )
     _say(f"starting an EAGLE3_DYNAMIC server (plain decode above {n} running requests)")
     timeline = []
     log_path = work / "dynamic.log"

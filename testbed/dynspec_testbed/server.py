@@ -1,9 +1,19 @@
 """Run a test-bed SGLang server from Python, and talk to it over HTTP.
 
-    from dynspec_testbed.server import CpuServer, generate
+    from dynspec_testbed.server import CpuServer, OVERLAP_CI_ENV, dynamic_server_args, generate, serve
+    from dynspec_testbed.workload import run_waves
 
     with CpuServer(["--model-path", models["target"]], log_path=tmp / "server.log") as server:
         out = generate(server.url, [0, 483, 14], max_new_tokens=16)
+
+    outputs = serve(dynamic_server_args(models), lambda url: run_waves(url, waves),
+                    log_path=tmp / "dynamic.log", env=OVERLAP_CI_ENV)
+
+The end-to-end tests' vocabulary is here: the scheduler environments (``CI_ENV``,
+``OVERLAP_CI_ENV``, ``TWO_RANK_CI_ENV``, ``retracting``), the server arguments on the
+test bed's model pairs (``baseline_server_args``, ``speculative_server_args``,
+``dynamic_server_args``), ``serve`` and the check that no KV is left once idle
+(``assert_no_kv_left``).
 
 ``CpuServer`` starts ``python -m dynspec_testbed.serve`` in its own process
 group on a free 127.0.0.1 port and stops the whole group on exit, so no scheduler
@@ -17,17 +27,32 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
+from dynspec_testbed.plugin import OVERLAP_ENV
 from dynspec_testbed.serve import MODULE, server_environment
 
 HOST = "127.0.0.1"
 LOG_TAIL_LINES = 60
+
+# ------------------------------------------------------------------ scheduler environments
+# SGLang's CI switch makes it assert a missing overlap publish (otherwise silent, and
+# wrong tokens follow). Speculative servers on the CPU run the synchronous scheduler
+# unless the test bed's overlap switch is on (dynspec_testbed.plugin).
+CI_ENV = {"SGLANG_IS_IN_CI": "1"}
+OVERLAP_CI_ENV = {**CI_ENV, OVERLAP_ENV: "1"}
+# --tp-size 2 on the CPU: one core per rank.
+TWO_RANK_CI_ENV = {**CI_ENV, "SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+def retracting(every: int) -> dict[str, str]:
+    """SGLang's test switch that retracts running requests every ``every``-th forward."""
+    return {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": str(every)}
 
 
 class ServerStartError(RuntimeError):
@@ -169,34 +194,78 @@ def _wait_group_gone(group: int, timeout: float) -> bool:
     return False
 
 
-PAIRS = {"random": ("target", "draft"), "agree": ("target-agree", "draft-agree")}
+# ------------------------------------------------------------------ server arguments
+# The test bed's model pairs (dynspec_testbed.models): target and EAGLE-3 draft.
+PAIRS = {
+    "random": ("target", "draft"),
+    "agree": ("target-agree", "draft-agree"),
+    "count": ("target-count", "draft-count"),
+}
 
 
-def dynamic_server_args(
+def baseline_server_args(
+    models: Mapping[str, Any], pair: str = "random", *, extra: Sequence[Any] = ()
+) -> list[Any]:
+    """Arguments of a non-speculative server on the target of one of the model pairs."""
+    return ["--model-path", models[PAIRS[pair][0]], *extra]
+
+
+def speculative_server_args(
+    algorithm: str,
     models: Mapping[str, Any],
     pair: str = "random",
     *,
     steps: int = 3,
     topk: int = 1,
     draft_tokens: int = 4,
-    disable_above: int = 3,
-    dwell: int = 0,
     extra: Sequence[Any] = (),
 ) -> list[Any]:
-    """Arguments of an EAGLE3_DYNAMIC server on one of the test bed's model pairs
-    (``random`` or ``agree``), switching above ``disable_above`` running requests."""
+    """Arguments of a speculative server (``EAGLE3``, ``EAGLE3_DYNAMIC``) on one of the
+    model pairs (``random``, ``agree`` or ``count``)."""
     target, draft = PAIRS[pair]
     return [
         "--model-path", models[target],
-        "--speculative-algorithm", "EAGLE3_DYNAMIC",
+        "--speculative-algorithm", algorithm,
         "--speculative-draft-model-path", models[draft],
         "--speculative-num-steps", steps,
         "--speculative-eagle-topk", topk,
         "--speculative-num-draft-tokens", draft_tokens,
-        "--speculative-disable-batch-threshold", disable_above,
-        "--speculative-min-dwell-steps", dwell,
         *extra,
     ]  # fmt: skip
+
+
+def dynamic_server_args(
+    models: Mapping[str, Any],
+    pair: str = "random",
+    *,
+    disable_above: int | None = 3,
+    dwell: int = 0,
+    extra: Sequence[Any] = (),
+    **speculative: int,
+) -> list[Any]:
+    """Arguments of an EAGLE3_DYNAMIC server switching above ``disable_above`` running
+    requests (None: the flag is not given, e.g. for the goodput policy); ``speculative``:
+    ``steps``, ``topk``, ``draft_tokens`` of ``speculative_server_args``."""
+    threshold = () if disable_above is None else ("--speculative-disable-batch-threshold", disable_above)
+    flags = [*threshold, "--speculative-min-dwell-steps", dwell, *extra]
+    return speculative_server_args("EAGLE3_DYNAMIC", models, pair, extra=flags, **speculative)
+
+
+# ------------------------------------------------------------------ serving
+T = TypeVar("T")
+
+
+def serve(
+    server_args: Sequence[Any],
+    workload: Callable[[str], T],
+    *,
+    log_path: Path,
+    env: Mapping[str, str],
+) -> T:
+    """Start a test-bed server, run ``workload(url)`` on it, stop it; return what the
+    workload returned."""
+    with CpuServer(server_args, log_path=log_path, env=env) as server:
+        return workload(server.url)
 
 
 # ------------------------------------------------------------------ requests
@@ -274,3 +343,15 @@ def wait_until_idle(url: str, timeout: float = 30.0) -> list[dict[str, Any]]:
         if time.monotonic() > deadline:
             raise TimeoutError(f"server still busy after {timeout:.0f} s: {loads}")
         time.sleep(0.2)
+
+
+def kv_left_once_idle(url: str, timeout: float = 30.0) -> list[int]:
+    """Wait until the server is idle; the KV tokens each rank still holds (a leak unless 0)."""
+    return [load["num_used_tokens"] for load in wait_until_idle(url, timeout)]
+
+
+def assert_no_kv_left(url: str, timeout: float = 30.0) -> None:
+    """Once idle, no rank holds a KV token: every request's KV was freed."""
+    left = kv_left_once_idle(url, timeout)
+    if any(left):
+        raise AssertionError(f"KV tokens still in use once idle, per rank (a leak): {left}")

@@ -28,29 +28,24 @@ from pathlib import Path
 
 import httpx
 
-from dynspec_testbed.server import CpuServer, generate, wait_until_idle
+from dynspec_testbed.server import (
+    OVERLAP_CI_ENV,
+    CpuServer,
+    baseline_server_args,
+    dynamic_server_args,
+    generate,
+    kv_left_once_idle,
+    retracting,
+)
 from dynspec_testbed.workload import Request, compare_outputs, plugin_counters
 
 REGEX = "(the|quick|brown|fox|dog)( (the|quick|brown|fox|dog)){3,9}"
-ENV = {
-    "SGLANG_IS_IN_CI": "1",
-    "SGLANG_DYNSPEC_TESTBED_OVERLAP": "1",
-    "SGLANG_TEST_RETRACT": "1",
-    "SGLANG_TEST_RETRACT_INTERVAL": "25",
-}
+ENV = {**OVERLAP_CI_ENV, **retracting(every=25)}
 
 
 def dynamic_args(models: dict) -> list:
-    return [
-        "--model-path", models["target"],
-        "--speculative-algorithm", "EAGLE3_DYNAMIC",
-        "--speculative-draft-model-path", models["draft"],
-        "--speculative-num-steps", 3, "--speculative-eagle-topk", 1, "--speculative-num-draft-tokens", 4,
-        "--speculative-disable-batch-threshold", 2, "--speculative-enable-batch-threshold", 1,
-        "--speculative-min-dwell-steps", 0,
-        "--max-running-requests", 8,
-        "--enable-metrics",
-    ]  # fmt: skip
+    extra = ["--speculative-enable-batch-threshold", 1, "--max-running-requests", 8, "--enable-metrics"]
+    return dynamic_server_args(models, disable_above=2, dwell=0, extra=extra)
 
 
 def make_request(rng: random.Random, rid: str) -> tuple[Request, str]:
@@ -126,16 +121,13 @@ def soak(models: dict, work_dir: Path, switches: int, max_seconds: float, seed: 
                     total = (c.switches_to_plain or 0) + (c.switches_to_spec or 0)
                     log(f"round {rounds}: {total:.0f} switches, {len(completed)} completed, {aborts} aborted")
                     done_switching = total >= switches
-        loads = wait_until_idle(server.url, timeout=120)
+        leaks = sum(kv_left_once_idle(server.url, timeout=120))
         counters = plugin_counters(server.url)
-    leaks = sum(load["num_used_tokens"] for load in loads)
     text = server_log.read_text()
     retractions = sum(int(n) for n in re.findall(r"#retracted_reqs: (\d+)", text))
     # The reference: a non-speculative server answers every completed request again.
     greedy = {rid: sent[rid][0] for rid in completed}
-    with CpuServer(
-        ["--model-path", models["target"]], log_path=work_dir / "reference.log", env=ENV
-    ) as server:
+    with CpuServer(baseline_server_args(models), log_path=work_dir / "reference.log", env=ENV) as server:
         with ThreadPoolExecutor(max_workers=6) as pool:
             reference = dict(
                 zip(greedy, pool.map(lambda r: generate(server.url, **r.kwargs()), greedy.values()))
