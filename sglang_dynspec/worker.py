@@ -62,8 +62,9 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
             )
             if self.controller.policy.needs_estimates and self.settings.simulated_acceptance is not None:
                 logger.warning(
-                    "[sglang-dynspec] acceptance estimate: %.2f tokens per speculative step, simulated "
-                    "(SGLANG_SIMULATE_ACC_LEN; benchmarks only), not measured",
+                    "[sglang-dynspec] acceptance simulated at %.2f tokens per speculative step "
+                    "(SGLANG_SIMULATE_ACC_LEN; benchmarks only): the accept counters show it while "
+                    "speculating, and the plain-mode estimate takes it",
                     self.settings.simulated_acceptance,
                 )
 
