@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_dynspec import config, metric_names
+from sglang_dynspec import config, metric_names, step_timing
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "sglang_dynspec"
@@ -211,7 +211,13 @@ def test_readme_metrics_table_lists_every_metric():
 def test_readme_flags_table_lists_every_flag_with_its_default():
     rows = table_rows(README.read_text(), "### Flags")
     by_env = {row[1].strip("`"): row for row in rows}
-    envs = [flag.env for flag in config.FLAGS] + [config.PLAIN_CUDA_GRAPH_ENV, config.REQUEST_MODES_ENV]
+    envs = [flag.env for flag in config.FLAGS] + [
+        config.PLAIN_CUDA_GRAPH_ENV,
+        config.REQUEST_MODES_ENV,
+        config.COST_CACHE_ENV,
+        step_timing.CALIBRATE_ENV,
+        step_timing.BUDGET_ENV,
+    ]
     assert sorted(by_env) == sorted(envs)
     for flag in config.FLAGS:
         assert by_env[flag.env][0].startswith(f"`{flag.option} "), by_env[flag.env]
