@@ -110,6 +110,7 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
             "speculative_draft_model_path",
             "speculative_draft_model_revision",
             "speculative_num_steps",
+            "max_running_requests",
             "speculative_eagle_topk",
             "speculative_num_draft_tokens",
             "attention_backend",
@@ -563,6 +564,13 @@ def step_cost_key(spec_worker, grid) -> dict:
         "cuda_graph": not getattr(args, "disable_cuda_graph", False),
         "grid": [list(grid[0]), list(grid[1])],
     }
+
+
+def max_running_requests(spec_worker) -> int:
+    """The most requests a decode batch can hold: ``--max-running-requests`` when given,
+    else the request pool's rows."""
+    given = getattr(spec_worker.server_args, "max_running_requests", None)
+    return int(given) if given else request_pool_size(spec_worker)
 
 
 def draft_steps(server_args) -> int:

@@ -361,3 +361,20 @@ def build_policy(settings: Settings, max_acceptance: float = 4.0) -> ModePolicy:
             )
         )
     return ThresholdPolicy(settings.thresholds)
+
+
+def unreachable_bound_warning(settings: Settings, max_running_requests: int) -> str | None:
+    """A warning naming both flags when the batch-size bound can never be crossed: a
+    decode batch holds at most ``max_running_requests`` requests."""
+    if settings.policy == "threshold":
+        bound, what = settings.thresholds.disable_above, "speculation never stops"
+    elif settings.speculation_bound is not None:
+        bound, what = settings.speculation_bound, "the bound never applies"
+    else:
+        return None
+    if bound < max_running_requests:
+        return None
+    return (
+        f"{DISABLE_THRESHOLD.option} {bound} is not below --max-running-requests "
+        f"{max_running_requests}: a decode batch never has more than {bound} requests, so {what}"
+    )

@@ -82,6 +82,10 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
                 self.catch_up.nbytes / 2**20,
                 free_memory_note(self.device),
             )
+        if self._first_rank:
+            warning = config.unreachable_bound_warning(self.settings, compat.max_running_requests(self))
+            if warning:
+                logger.warning("[sglang-dynspec] %s", warning)
         super().init_cuda_graphs()
         compat.keep_draft_graphs_on_recapture(self)
         if self.settings.plain_cuda_graph:

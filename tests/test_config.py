@@ -184,3 +184,21 @@ def test_a_setting_without_a_source_fails_the_cross_rank_check():
     same = WithNewField(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
     with pytest.raises(TypeError, match="Settings.new_field does not name the flag or variable"):
         config.settings_disagreement([same, same])
+
+
+@pytest.mark.parametrize(
+    "environ, max_running, warned",
+    [
+        ({}, 128, False),  # threshold 32 < 128
+        ({}, 32, True),  # a batch never exceeds 32: speculation never stops
+        ({config.DISABLE_THRESHOLD.env: "64"}, 48, True),
+        ({config.POLICY.env: "goodput"}, 8, False),  # no bound given
+        ({config.POLICY.env: "goodput", config.DISABLE_THRESHOLD.env: "16"}, 16, True),
+        ({config.POLICY.env: "goodput", config.DISABLE_THRESHOLD.env: "16"}, 17, False),
+    ],
+)
+def test_a_bound_that_can_never_be_crossed_is_warned_about_naming_both_flags(environ, max_running, warned):
+    message = config.unreachable_bound_warning(config.settings_from_environ(environ), max_running)
+    assert (message is not None) == warned
+    if warned:
+        assert config.DISABLE_THRESHOLD.option in message and "--max-running-requests" in message
