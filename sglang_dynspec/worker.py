@@ -141,7 +141,8 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
             compat.decode_batch_size(batch),
             lambda: compat.accept_counters(batch),
             needs_per_token_penalties=compat.needs_per_token_penalties(batch),
-            context_len=compat.mean_context_len(batch),
+            # An O(batch) walk over the requests: only for a policy that reads it.
+            context_len=compat.mean_context_len(batch) if self.controller.policy.needs_estimates else 0.0,
         )
         self._last_step_plain = mode is Mode.PLAIN
         if mode is Mode.PLAIN:

@@ -255,34 +255,24 @@ def test_instance_attributes_are_found_in_the_class_source(name):
     assert compat.missing_host_symbols((compat.HostSymbols(compat.EAGLEWorkerV2, (name,)),)) == []
 
 
-@pytest.mark.parametrize(
-    "module",
-    [
-        "policy",
-        "goodput",
-        "estimates",
-        "cost_model",
-        "cost_cache",
-        "config",
-        "refusals",
-        "telemetry",
-        "metric_names",
-    ],
+PURE_MODULES = (
+    "policy",
+    "goodput",
+    "estimates",
+    "cost_model",
+    "cost_cache",
+    "config",
+    "refusals",
+    "telemetry",
+    "metric_names",
 )
+
+
+@pytest.mark.parametrize("module", PURE_MODULES)
 def test_decision_modules_are_pure_python(module):
     """The decision logic and its inputs import neither torch nor SGLang (nor anything
     that does), so they are tested exhaustively and decide alike on every rank."""
-    pure = {
-        "policy",
-        "goodput",
-        "estimates",
-        "cost_model",
-        "cost_cache",
-        "config",
-        "refusals",
-        "telemetry",
-        "metric_names",
-    }
+    pure = set(PURE_MODULES)
     tree = ast.parse((PACKAGE / f"{module}.py").read_text())
     for node in ast.walk(tree):
         names = []
