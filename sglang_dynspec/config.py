@@ -91,8 +91,8 @@ CATCH_UP_TOKENS = Flag(
     f"buffer is replayed in plain mode (default {DEFAULT_CATCH_UP_TOKENS}; 0 disables the "
     "catch-up: the draft resumes from stale state).",
 )
-POLICIES = ("threshold", "goodput")
-DEFAULT_POLICY = "threshold"
+POLICIES = ("goodput", "threshold")
+DEFAULT_POLICY = "goodput"
 POLICY = Flag(
     "--speculative-dynamic-policy",
     "SGLANG_DYNSPEC_POLICY",

@@ -44,6 +44,8 @@ CALIBRATE_ENV = "SGLANG_DYNSPEC_CALIBRATE"
 BUDGET_ENV = "SGLANG_DYNSPEC_CALIBRATE_SECONDS"
 DEFAULT_BUDGET_SECONDS = 15.0
 MODES = ("plain", "spec")
+# Points measured whatever the budget: the grid's corners, first in measurement_order.
+CORNERS = 4
 
 # Batch sizes about 1.5-2x apart, and context lengths, before the limits cut them.
 BATCH_LADDER = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
@@ -180,23 +182,27 @@ def run_within_budget(
     *,
     clock: Callable[[], float] = time.monotonic,
     agree: Callable[[object], object] = lambda decision: decision,
+    start: float | None = None,
+    at_least: int = 0,
 ) -> list[StepCostSample]:
     """Measure ``points`` in order while the budget lasts; return what was measured.
 
-    A point is started only if it is predicted to end within the budget: its cost is
-    predicted by the cheapest measured point at least as large in both dimensions
-    (the coarse order measures the largest corner early); a point with no such
-    predictor is started while any budget is left. ``agree`` makes every rank take
-    the first rank's decision.
+    The budget counts from ``start`` (a ``clock()`` reading; None: now). The first
+    ``at_least`` points are measured whatever the budget (a table needs some points).
+    After them a point is started only if it is predicted to end within the budget:
+    its cost is predicted by the cheapest measured point at least as large in both
+    dimensions (the coarse order measures the largest corner early); a point with no
+    such predictor is started while any budget is left. ``agree`` makes every rank
+    take the first rank's decision.
     """
     samples: list[StepCostSample] = []
     took: dict[tuple[int, int], float] = {}
-    start = clock()
-    for bs, ctx in points:
+    start = clock() if start is None else start
+    for i, (bs, ctx) in enumerate(points):
         elapsed = clock() - start
         larger = [t for (b, c), t in took.items() if b >= bs and c >= ctx]
         predicted = min(larger) if larger else 0.0
-        if not agree(elapsed < budget_seconds and elapsed + predicted <= budget_seconds):
+        if i >= at_least and not agree(elapsed < budget_seconds and elapsed + predicted <= budget_seconds):
             break
         began = clock()
         samples += measure(bs, ctx)
@@ -302,11 +308,14 @@ def measure_step_costs(
     request pool, the max running requests or the largest captured decode graph are
     left out, and contexts are capped at the model's (:class:`StepLimits`): such steps
     would not run as serving runs them. Every batch size is warmed up first
-    (:func:`warm_up`; not counted in the budget). Every TP rank must call this at the
-    same point.
+    (:func:`warm_up`, inside the budget: on the H200 the warm-up outside it took the
+    start-up timing to 24.7 s against 15, benchmarks/results/h200-20261202-decision-smoke/).
+    The four corners of the grid are measured even when the warm-up spent the budget.
+    Every TP rank must call this at the same point.
     """
     if budget_seconds is None:
         budget_seconds = budget_from_environ()
+    started = time.monotonic()  # the budget covers the warm-up too
     limits = step_limits(spec_worker, plain_graph)
     points = agree(measurement_order(limits.batch_sizes(batch_sizes), limits.context_lens(context_lens)))
     if points:
@@ -320,6 +329,8 @@ def measure_step_costs(
         ),
         budget_seconds,
         agree=agree,
+        start=started,
+        at_least=CORNERS,
     )
     if limits.graph_batch_sizes is not None and eager_steps:
         # Serving would replay a graph at these sizes: the costs measured are not serving's.

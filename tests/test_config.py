@@ -189,12 +189,13 @@ def test_a_setting_without_a_source_fails_the_cross_rank_check():
 @pytest.mark.parametrize(
     "environ, max_running, warned",
     [
-        ({}, 128, False),  # threshold 32 < 128
-        ({}, 32, True),  # a batch never exceeds 32: speculation never stops
-        ({config.DISABLE_THRESHOLD.env: "64"}, 48, True),
-        ({config.POLICY.env: "goodput"}, 8, False),  # no bound given
+        ({config.POLICY.env: "threshold"}, 128, False),  # threshold 32 < 128
+        ({config.POLICY.env: "threshold"}, 32, True),  # a batch never exceeds 32: speculation never stops
+        ({config.POLICY.env: "threshold", config.DISABLE_THRESHOLD.env: "64"}, 48, True),
+        ({}, 8, False),  # the default (goodput) with no bound given
+        ({config.DISABLE_THRESHOLD.env: "16"}, 16, True),
+        ({config.DISABLE_THRESHOLD.env: "16"}, 17, False),
         ({config.POLICY.env: "goodput", config.DISABLE_THRESHOLD.env: "16"}, 16, True),
-        ({config.POLICY.env: "goodput", config.DISABLE_THRESHOLD.env: "16"}, 17, False),
     ],
 )
 def test_a_bound_that_can_never_be_crossed_is_warned_about_naming_both_flags(environ, max_running, warned):
@@ -202,3 +203,9 @@ def test_a_bound_that_can_never_be_crossed_is_warned_about_naming_both_flags(env
     assert (message is not None) == warned
     if warned:
         assert config.DISABLE_THRESHOLD.option in message and "--max-running-requests" in message
+
+
+def test_the_default_policy_is_goodput_and_threshold_stays_an_option():
+    assert config.settings_from_environ({}).policy == "goodput"
+    assert config.settings_from_environ({config.POLICY.env: "threshold"}).policy == "threshold"
+    assert isinstance(config.build_policy(config.settings_from_environ({})), config.GoodputPolicy)

@@ -54,7 +54,10 @@ def test_engine_api_switches_and_matches_non_speculative(tiny_models, tmp_path):
     env = server_environment(dict(os.environ))
     # The Engine API has no command line: the plugin reads its settings from these.
     env.update(
-        SGLANG_DYNSPEC_DISABLE_BATCH_THRESHOLD="2", SGLANG_DYNSPEC_MIN_DWELL_STEPS="0", SGLANG_IS_IN_CI="1"
+        SGLANG_DYNSPEC_POLICY="threshold",
+        SGLANG_DYNSPEC_DISABLE_BATCH_THRESHOLD="2",
+        SGLANG_DYNSPEC_MIN_DWELL_STEPS="0",
+        SGLANG_IS_IN_CI="1",
     )
     models = {k: str(v) for k, v in tiny_models.items()}
     log = tmp_path / "engine.log"

@@ -130,6 +130,20 @@ def test_budget_skips_nothing_it_can_afford_and_respects_zero():
     assert run_within_budget(points, measure, 0.0, clock=clock) == []
 
 
+def test_budget_counts_from_the_given_start_and_the_corners_are_always_measured():
+    clock = FakeClock()
+    measure, measured = fake_measure(clock, lambda bs, ctx: 0.01)
+    points = measurement_order([1, 2, 4, 8], [64, 256, 1024])
+    began = clock()
+    clock.now += 20.0  # a warm-up that spent the whole budget and more
+    samples = run_within_budget(points, measure, 15.0, clock=clock, start=began, at_least=4)
+    assert measured == points[:4] and len(samples) == 8
+    # Without the warm-up's time, the same budget measures the whole grid.
+    measure, measured = fake_measure(clock, lambda bs, ctx: 0.01)
+    run_within_budget(points, measure, 15.0, clock=clock, at_least=4)
+    assert measured == points
+
+
 def test_budget_prediction_uses_the_cheapest_dominating_point():
     clock = FakeClock()
     measure, measured = fake_measure(clock, lambda bs, ctx: 3.0 if (bs, ctx) == (16, 256) else 0.5)

@@ -238,16 +238,21 @@ def dynamic_server_args(
     models: Mapping[str, Any],
     pair: str = "random",
     *,
+    policy: str | None = "threshold",
     disable_above: int | None = 3,
     dwell: int = 0,
     extra: Sequence[Any] = (),
     **speculative: int,
 ) -> list[Any]:
-    """Arguments of an EAGLE3_DYNAMIC server switching above ``disable_above`` running
-    requests (None: the flag is not given, e.g. for the goodput policy); ``speculative``:
-    ``steps``, ``topk``, ``draft_tokens`` of ``speculative_server_args``."""
+    """Arguments of an EAGLE3_DYNAMIC server with ``policy`` (None: the flag is not
+    given, so the plugin's default, goodput, decides). The switching tests use the
+    threshold policy, whose switches the load alone determines: plain above
+    ``disable_above`` running requests (None: the flag is not given; with goodput it is
+    a hard bound). ``speculative``: ``steps``, ``topk``, ``draft_tokens`` of
+    ``speculative_server_args``."""
+    chosen = () if policy is None else ("--speculative-dynamic-policy", policy)
     threshold = () if disable_above is None else ("--speculative-disable-batch-threshold", disable_above)
-    flags = [*threshold, "--speculative-min-dwell-steps", dwell, *extra]
+    flags = [*chosen, *threshold, "--speculative-min-dwell-steps", dwell, *extra]
     return speculative_server_args("EAGLE3_DYNAMIC", models, pair, extra=flags, **speculative)
 
 

@@ -1,0 +1,81 @@
+#!/bin/bash
+# One row of issue 17's decision grid on the H200 (SGLang 0.5.17, CUDA graphs): a
+# baseline, an EAGLE-3 and an EAGLE3_DYNAMIC server with the plugin's default flags (no
+# policy, no threshold) in one call, each swept over C in {1,4,16,32,48,64,128}, two
+# repeats, closed loop with 2xC requests per point. Dummy weights, so the acceptance is
+# simulated (SGLANG_SIMULATE_ACC_LEN, read by the speculative verify only): a speed
+# check, never an output check.
+#
+# Usage (on the device, repo root):  ROW=8b-acc3 bash benchmarks/h200/decision_grid.sh
+#   ROW: 8b-acc2 | 8b-acc3 | 8b-acc4 | 3b-acc3 | 8b-p2048-acc3
+#   PLUGIN_COMMIT: the plugin commit measured (tags every line)
+#   SGLANG_DYNSPEC_COST_CACHE: where the dynamic server keeps its start-up step-cost
+#     table; a table carried from an earlier call shows the cache hit on a restart.
+# Results: $OUT/h200-decision-YYYYMMDD-$ROW.jsonl, one line per point (kind sweep_point:
+# config, concurrency, repeat, output_tok_s, itl_p99_ms, decode_steps_spec/plain, ...),
+# one per server start (kind server_start: start_s) and one for the dynamic server's
+# step-cost table (kind startup_costs: seconds, cache_hit); server logs in $OUT/logs.tar.xz.
+set -u
+source .gpu/device-env.sh || exit 1
+ROW=${ROW:?set ROW}
+case $ROW in
+  8b-acc2) SHAPE=8b ACC=2.0 PROMPT=256 ;;
+  8b-acc3) SHAPE=8b ACC=3.0 PROMPT=256 ;;
+  8b-acc4) SHAPE=8b ACC=4.0 PROMPT=256 ;;
+  3b-acc3) SHAPE=3b ACC=3.0 PROMPT=256 ;;
+  8b-p2048-acc3) SHAPE=8b ACC=3.0 PROMPT=2048 ;;
+  *) echo "ROW must be one of 8b-acc2 8b-acc3 8b-acc4 3b-acc3 8b-p2048-acc3, got $ROW" >&2; exit 2 ;;
+esac
+case $SHAPE in
+  8b) export MODEL=.gpu/models/llama8b; SHAPE_TAG=llama-3.1-8b-dummy ;;
+  3b) export MODEL=.gpu/models/llama3b; SHAPE_TAG=llama-3.2-3b-dummy ;;
+esac
+source benchmarks/h200/lib.sh
+[ "$SHAPE" = 3b ] && EAGLE_ARGS=(--speculative-draft-model-path .gpu/models/eagle3-3b --speculative-draft-load-format dummy)
+export SGLANG_SIMULATE_ACC_LEN=$ACC
+RESULTS=$OUT/h200-decision-$(date -u +%Y%m%d)-$ROW.jsonl
+SPEC=("${EAGLE_ARGS[@]}" --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)
+BENCH=(--url "$URL" --prompt-len "$PROMPT" --output-len 256 --no-progress --tag hw=H200 --tag "shape=$SHAPE_TAG"
+       --tag "acc_len=$ACC" --tag "row=$ROW" --tag "plugin_commit=${PLUGIN_COMMIT:-unknown}")
+mkdir -p "$OUT/logs"
+
+# Every server: --enable-metrics (the dynamic one reports its steps per mode there) and
+# --log-level info (the dynamic one logs its step-cost table), so all pay the same.
+server_args() {
+  case $1 in
+    baseline) echo --enable-metrics ;;
+    eagle3) echo --speculative-algorithm EAGLE3 "${SPEC[@]}" --enable-metrics ;;
+    dynamic) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
+  esac
+}
+
+jsonl() { python3 -c "import json,sys; print(json.dumps(dict(a.split('=',1) for a in sys.argv[1:])))" "$@" >> "$RESULTS"; }
+
+for cfg in ${CONFIGS:-baseline eagle3 dynamic}; do
+  t0=$SECONDS
+  # shellcheck disable=SC2046
+  if start_server "$cfg" $(server_args "$cfg") --log-level info; then
+    jsonl kind=server_start "config=$cfg" "row=$ROW" "start_s=$((SECONDS - t0))" up=true
+    if [ "$cfg" = dynamic ]; then
+      python3 - "$OUT/server_$cfg.log" "$ROW" >> "$RESULTS" <<'EOF'
+import json, re, sys
+text = open(sys.argv[1]).read()
+m = re.search(r"step costs \((timed at start-up|read from the cache) in ([0-9.]+) s", text)
+print(json.dumps({"kind": "startup_costs", "config": "dynamic", "row": sys.argv[2],
+                  "cache_hit": None if m is None else m.group(1) == "read from the cache",
+                  "seconds": None if m is None else float(m.group(2))}))
+EOF
+    fi
+    python3 -m sglang_dynspec.bench sweep "${BENCH[@]}" --config "$cfg" \
+      --concurrency "${C:-1,4,16,32,48,64,128}" --repeats "${REPEATS:-2}" --out "$RESULTS" \
+      2> "$OUT/logs/sweep_$cfg.err" | tail -n 2
+    stop_server
+  else
+    jsonl kind=server_start "config=$cfg" "row=$ROW" up=false
+  fi
+  mv "$OUT/server_$cfg.log" "$OUT/logs/" 2>/dev/null
+done
+
+grep -h "sglang-dynspec" "$OUT"/logs/server_dynamic.log | grep -v Capturing | cut -c1-220 | head -n 30
+python3 benchmarks/summarize.py "$RESULTS" || true
+tar -C "$OUT" -cJf "$OUT/logs.tar.xz" logs && rm -rf "$OUT/logs"
