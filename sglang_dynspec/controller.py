@@ -170,8 +170,10 @@ class ModeController:
             step_mode, size, context, timer = self._step
             self._step = None
             timer.stop()
-            if not self._caught_up:  # a catch-up's time is its own (on_catch_up)
-                feed = self._feed
+            feed = self._feed
+            if self._caught_up:  # a catch-up's time is its own (on_catch_up)
+                feed.on_catch_up_step()
+            else:
                 self._readings.add(
                     timer, lambda seconds: feed.on_step_device_time(step_mode, size, context, seconds)
                 )

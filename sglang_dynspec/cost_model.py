@@ -141,11 +141,12 @@ class CostCorrections:
         table = self.device if kind == "device" else self.host
         key, ratio = (mode, bucket_of(batch_size)), measured / predicted
         old = table.get(key)
+        # One sample moves the average by at most a factor of 2 before averaging (the
+        # first one from the table's 1): a step stalled by something else (a compile,
+        # another process) is not a cost change.
         if old is None:
-            table[key] = ratio
+            table[key] = min(max(ratio, 0.5), 2.0)
             return
-        # One sample moves the average by at most a factor of 2 before averaging: a step
-        # stalled by something else (a compile, another process) is not a cost change.
         ratio = min(max(ratio, old / 2), old * 2)
         table[key] = old + self.alpha * (ratio - old)
 

@@ -100,6 +100,15 @@ class EstimateFeed:
         self._last = None
         self._run = 0
 
+    def on_catch_up_step(self) -> None:
+        """The decode step just queued ran a draft catch-up (a resume, or a full buffer's
+        flush). Its host time is not a step time, nor is the next step's: the overlap
+        scheduler waits on a step's outputs one step later, so the catch-up's device time
+        lands in the next interval. On the H200 a resume's catch-up taken as a step time
+        made speculation look 4x dearer (R = 0.23 at batch 64 where the table gives 0.94:
+        benchmarks/results/h200-decision-20261202-logs/)."""
+        self._run = 0
+
     def on_step_device_time(self, mode: Mode, batch_size: int, context_len: float, seconds: float) -> None:
         """The device time of one decode step's forward, read once the device ran it."""
         predicted = self.table.seconds(mode, batch_size, context_len) if self.table is not None else None

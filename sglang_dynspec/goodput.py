@@ -8,12 +8,19 @@ the bonus token) and ``t_mode(B, c)`` the cost model's step time (``cost_model``
     predicted tokens/s, plain:        B / t_plain(B, c)
     R = a * t_plain(B, c) / t_spec(B, c)
 
-* speculating, it turns plain when ``R < 1 - margin``;
+* speculating, it turns plain when ``R < 1 - margin``, at once: going plain costs
+  nothing, and a batch that grows from a few requests to many within a few steps (a
+  burst of arrivals) must not be held in speculation (on the H200, 8 steps held at
+  batch 64 cost their point 4%);
 * plain, it speculates again when ``D * a * t_plain > (1 + margin) * (D * t_spec + C)``:
   the first ``D = min_dwell_steps`` speculative steps must also pay for the resume's
   catch-up, ``C`` = the positions to replay times the measured catch-up cost per position;
-* never sooner than ``min_dwell_steps`` decode steps after the last switch;
+  never sooner than ``min_dwell_steps`` decode steps after the last switch, so a
+  round trip plain -> spec -> plain -> spec takes more than the dwell;
 * above ``--speculative-disable-batch-threshold`` (when given) it never speculates.
+
+The margin is 2%: a wrong mode costs at most the margin where the costs are known, and
+the dwell, not the margin, keeps it from flapping.
 
 The step costs are known from the first decode step (measured at start-up), so nothing is
 probed. Acceptance comes from the scheduler's accept counters while speculating and from
@@ -47,7 +54,7 @@ def expected_accept_length(agreement: float, draft_steps: int) -> float:
 
 @dataclass(frozen=True)
 class GoodputSettings:
-    margin: float = 0.05  # hysteresis on R around 1
+    margin: float = 0.02  # hysteresis on R around 1
     min_dwell_steps: int = 8  # fewest decode steps between two switches; D above
     max_spec_batch: int | None = None  # hard bound: never speculate above it (None: no bound)
     max_acceptance: float = 4.0  # the most one speculative step can give (num_draft_tokens)
@@ -150,7 +157,8 @@ class GoodputPolicy(ModePolicy):
         if batch_size < 0:
             raise ValueError(f"batch_size must be >= 0, got {batch_size}")
         wanted, reason = self._wanted(batch_size, context_len, catch_up_tokens)
-        if wanted is not self.mode and self._since_switch >= self.settings.min_dwell_steps:
+        leaving = self.mode is Mode.SPEC  # no dwell before going plain (module docstring)
+        if wanted is not self.mode and (leaving or self._since_switch >= self.settings.min_dwell_steps):
             self.mode = wanted
             self._since_switch = 0
             self.last_reason = reason
@@ -163,5 +171,5 @@ class GoodputPolicy(ModePolicy):
         return (
             f"goodput policy: speculate while predicted tokens/s beat plain decode by {s.margin:.0%} "
             f"(step costs timed at start-up and corrected online; acceptance from the accept counters "
-            f"and the catch-up's replay{bound}), at least {s.min_dwell_steps} decode steps between switches"
+            f"and the catch-up's replay{bound}), at least {s.min_dwell_steps} decode steps before a resume"
         )

@@ -117,7 +117,6 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
             measure,
             compat.agree_across_tensor_parallel_ranks,
             self._first_rank,
-            expected_points=2 * len(grid[0]) * len(grid[1]),
         )
         self.controller.set_cost_table(costs.table)
         if self._first_rank:

@@ -7,7 +7,9 @@ acceptance that rises and collapses in either mode, with the catch-up's replay
 predicting it with a bias the feed must learn; prefills between decode steps at every
 rate from every decode step to none. Properties: the decision settles on the faster mode
 within ``SETTLE_BOUND`` decode steps of the world's last change, and never switches
-sooner than the dwell after the last switch. The table's error is a factor common to
+sooner than the dwell after the last switch (going plain is free and immediate). A
+resume's catch-up runs inside the first speculative step, and its time reaches the host
+one step late, as under the overlap scheduler. The table's error is a factor common to
 both modes (other clocks, a host-bound server) times up to 10% per mode: the running
 mode's measurements correct the common part, nothing measures the other mode's own
 error without running it, so true ratios within ``AMBIGUOUS`` of the switching point
@@ -105,7 +107,8 @@ def test_corrections_scale_the_table_and_the_host_bounds_the_step():
     assert CostModel.with_snapshot(table, c.snapshot()).seconds(P, 32, 1024) == pytest.approx(
         table.seconds(P, 32, 1024)
     )
-    c.observe("host", S, 32, 3 * predicted, predicted)  # host-bound: the step takes longer
+    for _ in range(2):  # host-bound: the step takes longer (a first sample moves it 2x at most)
+        c.observe("host", S, 32, 3 * predicted, predicted)
     assert CostModel.with_snapshot(table, c.snapshot()).seconds(S, 32, 1024) == pytest.approx(3 * predicted)
 
 
@@ -136,7 +139,7 @@ def test_without_acceptance_it_speculates_exactly_where_the_most_a_step_accepts_
     p = GoodputPolicy(GoodputSettings(min_dwell_steps=1, max_acceptance=4.0))
     p.update(e)
     for b in (1, 8, 32, 64, 128):
-        pays = 4.0 * e.step_seconds(P, b, 256) > (1 - 0.05) * e.step_seconds(S, b, 256)
+        pays = 4.0 * e.step_seconds(P, b, 256) > (1 - p.settings.margin) * e.step_seconds(S, b, 256)
         assert (p.decide(b, 256) is S) == pays, b
 
 
@@ -148,6 +151,7 @@ def test_ratio_decides_with_hysteresis_and_the_dwell():
     assert p.decide(b_low, 256) is S
     assert p.decide(b_high, 256) is P and "R = " in p.last_reason
     assert [p.decide(b_low, 256) for _ in range(4)] == [P, P, P, S]  # the dwell, then back
+    assert p.decide(b_high, 256) is P  # going plain waits for no dwell
 
 
 def test_resume_must_pay_for_the_catch_up():
@@ -296,10 +300,12 @@ def test_a_corrupt_or_foreign_cache_file_is_measured_over(tmp_path):
     assert read_cached(tmp_path, KEY) is None
 
 
-def test_a_table_cut_short_by_the_budget_is_not_cached(tmp_path):
+def test_a_table_cut_short_by_the_budget_is_cached_and_a_restart_reads_it(tmp_path):
     table = measured_table(linear_costs())
-    got = startup_costs(KEY, tmp_path, lambda: table.points[:3], lambda x: x, True, expected_points=36)
-    assert len(got.table.points) == 3 and read_cached(tmp_path, KEY) is None
+    got = startup_costs(KEY, tmp_path, lambda: table.points[:3], lambda x: x, True)
+    assert len(got.table.points) == 3 and not got.cache_hit
+    again = startup_costs(KEY, tmp_path, lambda: pytest.fail("measured again"), lambda x: x, True)
+    assert again.cache_hit and again.table == got.table
 
 
 def test_one_stalled_step_moves_a_correction_by_at_most_a_factor_of_two():
@@ -307,6 +313,28 @@ def test_one_stalled_step_moves_a_correction_by_at_most_a_factor_of_two():
     c.observe("device", S, 8, 1.0, 1.0)
     c.observe("device", S, 8, 100.0, 1.0)
     assert c.device[(S, bucket_of(8))] == 2.0
+    # The first sample too, from the table's 1.
+    c.observe("host", S, 64, 5.0, 1.0)
+    c.observe("host", P, 64, 0.1, 1.0)
+    assert c.host[(S, bucket_of(64))] == 2.0 and c.host[(P, bucket_of(64))] == 0.5
+
+
+def test_a_catch_up_step_and_the_next_are_not_host_step_times():
+    """The resume's catch-up runs inside the first speculative step and, under the
+    overlap scheduler, its device time lands in the next host interval."""
+    clock = FakeClock()
+    feed = EstimateFeed(agree=lambda x: x, agree_every=1000, clock=clock, table=measured_table(linear_costs()))
+    step = linear_costs()(S, 8, 256)
+    controller = ModeController(
+        GoodputPolicy(GoodputSettings(min_dwell_steps=1)), feed=feed, start_timer=lambda: FakeTimer(clock)
+    )
+    for i in range(6):
+        controller.before_decode(8, context_len=256)
+        if i == 1:
+            controller.on_catch_up("resume", 8, 8 * 64, FakeTimer(clock))
+        controller.after_decode(S)
+        clock.now += step * (20 if i == 2 else 1)  # step 1's catch-up, seen during step 2
+    assert feed.corrections.host[(S, bucket_of(8))] == pytest.approx(1.0)
 
 
 def test_other_ranks_take_the_first_ranks_cache_answer(tmp_path):
@@ -333,7 +361,8 @@ def test_controller_builds_itself_from_settings():
 
 
 # --------------------------------------------------------------------- state machine
-DWELL, CAPACITY, AGREE_EVERY, MARGIN = 8, 32, 16, 0.05
+DWELL, CAPACITY, AGREE_EVERY, MARGIN = 8, 32, 16, GoodputSettings().margin
+CATCH_UP_SECONDS = 20e-6  # per replayed position: a resume of 256 x 32 positions costs 160 ms
 # Decode steps after the world's last change within which the decision is right:
 # the replay that reveals a rise of acceptance in plain mode comes every CAPACITY plain
 # steps (two to converge), the agreement every AGREE_EVERY steps, then the dwell; one
@@ -397,6 +426,7 @@ class DecisionMachine(RuleBasedStateMachine):
         self.last_switch: int | None = None
         self.mode = S
         self.plain_run = 0
+        self.bleed = 0.0
 
     def _resize(self):
         rids = sorted(self.requests)[: self.batch]
@@ -421,13 +451,19 @@ class DecisionMachine(RuleBasedStateMachine):
     def decode_step(self):
         ctx = self.context
         mode = self.controller.before_decode(self.batch, self._counters, context_len=ctx)
+        self.clock.now += self.bleed  # the last catch-up, waited on one step late (overlap)
+        self.bleed = 0.0
         if mode is not self.mode:
-            assert self.last_switch is None or self.steps - self.last_switch >= DWELL, (
-                "switched inside the dwell"
-            )
+            if mode is S:  # going plain is free; a resume waits for the dwell
+                assert self.last_switch is None or self.steps - self.last_switch >= DWELL, (
+                    "resumed inside the dwell"
+                )
             self.last_switch = self.steps
             if mode is S and self.plain_run:
                 self._replay()  # the resume's catch-up replays the gaps
+                positions = self.batch * min(self.plain_run, CAPACITY)
+                self.controller.on_catch_up("resume", self.batch, positions, FakeTimer(self.clock))
+                self.bleed = positions * CATCH_UP_SECONDS
         self.mode = mode
         self.clock.now += self.true_cost(mode, self.batch, ctx)
         self.controller.after_decode(mode)
