@@ -823,3 +823,11 @@ def test_catch_up_fields_are_the_point_s_deltas():
         catch_up_fields(None, after, 2.0) == {}
         and catch_up_fields(scrape.MetricsSnapshot(), scrape.MetricsSnapshot(), 1.0) == {}
     )
+
+
+def test_sweep_point_size_is_waves_of_the_concurrency_unless_given():
+    from sglang_dynspec.bench.sweep import requests_for
+
+    assert [requests_for(c, None) for c in (1, 2, 64)] == [4, 4, 128]
+    assert [requests_for(c, None, waves=1) for c in (1, 64)] == [4, 64]
+    assert requests_for(64, 10, waves=3) == 10

@@ -2,9 +2,9 @@
 # One row of issue 17's decision grid on the H200 (SGLang 0.5.17, CUDA graphs): a
 # baseline, an EAGLE-3 and an EAGLE3_DYNAMIC server with the plugin's default flags (no
 # policy, no threshold) in one call, each swept over C in {1,4,16,32,48,64,128}, two
-# repeats, closed loop with 2xC requests per point. Dummy weights, so the acceptance is
-# simulated (SGLANG_SIMULATE_ACC_LEN, read by the speculative verify only): a speed
-# check, never an output check.
+# repeats, closed loop with WAVES x C requests per point (2; 1 at prompt 2048). Dummy
+# weights, so the acceptance is simulated (SGLANG_SIMULATE_ACC_LEN, read by the
+# speculative verify only): a speed check, never an output check.
 #
 # Usage (on the device, repo root):  ROW=8b-acc3 bash benchmarks/h200/decision_grid.sh
 #   ROW: 8b-acc2 | 8b-acc3 | 8b-acc4 | 3b-acc3 | 8b-p2048-acc3
@@ -23,7 +23,8 @@ case $ROW in
   8b-acc3) SHAPE=8b ACC=3.0 PROMPT=256 ;;
   8b-acc4) SHAPE=8b ACC=4.0 PROMPT=256 ;;
   3b-acc3) SHAPE=3b ACC=3.0 PROMPT=256 ;;
-  8b-p2048-acc3) SHAPE=8b ACC=3.0 PROMPT=2048 ;;
+  # At prompt 2048 two waves per point do not fit one call (the EAGLE-3 sweep alone took 250 s).
+  8b-p2048-acc3) SHAPE=8b ACC=3.0 PROMPT=2048 WAVES=${WAVES:-1} ;;
   *) echo "ROW must be one of 8b-acc2 8b-acc3 8b-acc4 3b-acc3 8b-p2048-acc3, got $ROW" >&2; exit 2 ;;
 esac
 case $SHAPE in
@@ -67,8 +68,10 @@ print(json.dumps({"kind": "startup_costs", "config": "dynamic", "row": sys.argv[
 EOF
     fi
     python3 -m sglang_dynspec.bench sweep "${BENCH[@]}" --config "$cfg" \
-      --concurrency "${C:-1,4,16,32,48,64,128}" --repeats "${REPEATS:-2}" --out "$RESULTS" \
-      2> "$OUT/logs/sweep_$cfg.err" | tail -n 2
+      --concurrency "${C:-1,4,16,32,48,64,128}" --repeats "${REPEATS:-2}" --waves "${WAVES:-2}" \
+      --out "$RESULTS" 2> "$OUT/logs/sweep_$cfg.err" | tail -n 2
+    # The dynamic server's corrections, acceptance by source and steps per mode at the end.
+    [ "$cfg" = dynamic ] && curl -s "$URL/metrics" | grep "^sglang:spec_dynamic" > "$OUT/logs/metrics_dynamic.txt"
     stop_server
   else
     jsonl kind=server_start "config=$cfg" "row=$ROW" up=false

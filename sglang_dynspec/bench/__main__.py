@@ -204,7 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=None,
         metavar="N",
-        help="requests per measurement (default: max(2*C, 4))",
+        help="requests per measurement (default: max(W*C, 4), W from --waves)",
+    )
+    sw.add_argument(
+        "--waves",
+        type=_positive_int,
+        default=2,
+        metavar="W",
+        help="without --requests-per-point: W waves of C requests per measurement (default: %(default)s)",
     )
     sw.add_argument(
         "--repeats",

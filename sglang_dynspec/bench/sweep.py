@@ -29,11 +29,11 @@ from .scrape import MetricsSnapshot, fetch_metrics
 from .stats import summarize_point
 
 
-def requests_for(concurrency: int, requests_per_point: int | None) -> int:
-    """Default: two full waves of ``C`` requests, at least 4 requests."""
+def requests_for(concurrency: int, requests_per_point: int | None, waves: int = 2) -> int:
+    """Default: ``waves`` full waves of ``C`` requests, at least 4 requests."""
     if requests_per_point is not None:
         return requests_per_point
-    return max(2 * concurrency, 4)
+    return max(waves * concurrency, 4)
 
 
 def _delta(a: float | None, b: float | None) -> float | None:
@@ -118,7 +118,7 @@ async def run_sweep(args: argparse.Namespace) -> int:
         with JsonlWriter(args.out, overwrite=args.overwrite) as out:
             for repeat in range(args.repeats):
                 for conc in args.concurrency:
-                    n = requests_for(conc, args.requests_per_point)
+                    n = requests_for(conc, args.requests_per_point, args.waves)
                     # Seed per (point, repeat): identical across configs so
                     # servers are compared on the same prompts, distinct
                     # across points so no point reuses another's KV cache.
