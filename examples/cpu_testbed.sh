@@ -1,6 +1,6 @@
 #!/bin/bash
 # Serve the test bed's tiny models on a CPU with EAGLE3_DYNAMIC, then send a burst of
-# requests that crosses the threshold and print the plugin's counters.
+# requests that crosses the threshold policy's batch size and print the plugin's counters.
 # Needs the project and its CPU test bed: pip install -e . -e ./testbed
 set -eu
 DIR=${1:-/tmp/sglang-dynspec-models}
@@ -8,7 +8,8 @@ python -m dynspec_testbed.models "$DIR"
 python -m dynspec_testbed.serve --model-path "$DIR/target" \
   --speculative-algorithm EAGLE3_DYNAMIC --speculative-draft-model-path "$DIR/draft" \
   --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 \
-  --speculative-disable-batch-threshold 4 --enable-metrics --port 30000 &
+  --speculative-dynamic-policy threshold --speculative-disable-batch-threshold 4 \
+  --enable-metrics --port 30000 &
 SERVER=$!
 trap 'kill $SERVER' EXIT
 until curl -sf 127.0.0.1:30000/health_generate >/dev/null; do sleep 2; done

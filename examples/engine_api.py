@@ -7,8 +7,9 @@ GPU; for a CPU run see tests/test_engine_api.py, which uses the test bed.
 
 import os
 
-os.environ.setdefault("SGLANG_DYNSPEC_DISABLE_BATCH_THRESHOLD", "32")
-os.environ.setdefault("SGLANG_DYNSPEC_ENABLE_BATCH_THRESHOLD", "28")
+# The goodput policy (the default) needs no threshold; SGLANG_DYNSPEC_POLICY=threshold
+# with SGLANG_DYNSPEC_DISABLE_BATCH_THRESHOLD / _ENABLE_BATCH_THRESHOLD switches by batch size.
+os.environ.setdefault("SGLANG_DYNSPEC_POLICY", "goodput")
 os.environ.setdefault("SGLANG_DYNSPEC_MIN_DWELL_STEPS", "8")
 os.environ.setdefault("SGLANG_DYNSPEC_CATCH_UP_TOKENS", "128")  # draft catch-up buffer per request
 

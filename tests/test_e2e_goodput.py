@@ -35,9 +35,10 @@ PROBE_BUDGET = 40
 
 
 def goodput_args(models, pair: str) -> list:
-    # No --speculative-disable-batch-threshold: with goodput it would be a hard bound.
-    extra = ["--speculative-dynamic-policy", "goodput", "--max-running-requests", 8, "--enable-metrics"]
-    return dynamic_server_args(models, pair, disable_above=None, dwell=4, extra=extra)
+    # No policy flag (goodput is the default; the log line checked below names it) and no
+    # --speculative-disable-batch-threshold (with goodput it would be a hard bound).
+    extra = ["--max-running-requests", 8, "--enable-metrics"]
+    return dynamic_server_args(models, pair, policy=None, disable_above=None, dwell=4, extra=extra)
 
 
 def serve_and_measure(models, pair: str, tmp_path):

@@ -323,7 +323,9 @@ def test_a_catch_up_step_and_the_next_are_not_host_step_times():
     """The resume's catch-up runs inside the first speculative step and, under the
     overlap scheduler, its device time lands in the next host interval."""
     clock = FakeClock()
-    feed = EstimateFeed(agree=lambda x: x, agree_every=1000, clock=clock, table=measured_table(linear_costs()))
+    feed = EstimateFeed(
+        agree=lambda x: x, agree_every=1000, clock=clock, table=measured_table(linear_costs())
+    )
     step = linear_costs()(S, 8, 256)
     controller = ModeController(
         GoodputPolicy(GoodputSettings(min_dwell_steps=1)), feed=feed, start_timer=lambda: FakeTimer(clock)

@@ -207,6 +207,8 @@ def test_resolves_exactly_like_eagle3(plugin_loaded, clean_flag_env, extra):
 def test_flags_reach_the_environment(plugin_loaded, clean_flag_env):
     _resolve(
         [
+            "--speculative-dynamic-policy",
+            "threshold",
             "--speculative-disable-batch-threshold",
             "40",
             "--speculative-enable-batch-threshold",
@@ -242,7 +244,10 @@ def test_non_integer_flag_is_an_argparse_error_naming_it(plugin_loaded, clean_fl
     "extra, expected",
     [
         (
-            ["--speculative-disable-batch-threshold", "8", "--speculative-enable-batch-threshold", "8"],
+            [
+                *("--speculative-dynamic-policy", "threshold"),
+                *("--speculative-disable-batch-threshold", "8", "--speculative-enable-batch-threshold", "8"),
+            ],
             "--speculative-enable-batch-threshold (8) must be at least 1 and below --speculative-disable-batch-threshold (8)",
         ),
         (["--speculative-adaptive"], "--speculative-adaptive"),
@@ -252,6 +257,10 @@ def test_non_integer_flag_is_an_argparse_error_naming_it(plugin_loaded, clean_fl
         (["--enable-custom-logit-processor"], "--enable-custom-logit-processor"),
         (
             ["--speculative-dynamic-policy", "goodput", "--speculative-enable-batch-threshold", "4"],
+            "--speculative-enable-batch-threshold has no meaning with --speculative-dynamic-policy goodput",
+        ),
+        (  # goodput is the default
+            ["--speculative-enable-batch-threshold", "4"],
             "--speculative-enable-batch-threshold has no meaning with --speculative-dynamic-policy goodput",
         ),
         # DP attention is not here: SGLang's CPU platform resolves it off before the
@@ -337,7 +346,10 @@ SGLANG_CLI = os.path.join(os.path.dirname(sys.executable), "sglang")  # the `sgl
 def test_launchers_refuse_bad_input_before_loading_weights(model_dirs, launcher):
     """Through the real launchers: a bad flag value fails at start-up, naming the flag."""
     argv = _argv(
-        extra=["--speculative-disable-batch-threshold", "4", "--speculative-enable-batch-threshold", "9"]
+        extra=[
+            *("--speculative-dynamic-policy", "threshold"),
+            *("--speculative-disable-batch-threshold", "4", "--speculative-enable-batch-threshold", "9"),
+        ]
     )
     env = server_environment(dict(os.environ))
     proc = subprocess.run([*launcher, *argv], env=env, capture_output=True, text=True, timeout=300)
