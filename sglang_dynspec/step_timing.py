@@ -11,9 +11,9 @@ before the first request, :func:`measure_step_costs` times
 
 on synthetic decode batches (``compat.synthetic_decode_batch``) over a grid of batch
 sizes and context lengths (:func:`default_grid`). Each point: ``warmup`` untimed
-steps per mode, then the median of ``repeats`` timed ones (CUDA events on CUDA, with a
-synchronize around each step: this is start-up, not the hot path; the host clock
-elsewhere). Points are measured coarse-to-fine (:func:`measurement_order`) until the
+steps per mode, then ``repeats`` steps queued back to back, timed together (CUDA events
+on CUDA and one synchronize at the end: this is start-up, not the hot path; the host
+clock elsewhere; :func:`pipelined_step_seconds`). Points are measured coarse-to-fine (:func:`measurement_order`) until the
 time budget is spent (``SGLANG_DYNSPEC_CALIBRATE_SECONDS``, 15 s by default). Every TP rank runs the same steps in the same order (they
 contain collectives): the grid and each go/stop decision are the first rank's.
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -210,24 +209,27 @@ def run_within_budget(
     return samples
 
 
-def median_step_seconds(step: Callable[[], object], device, *, warmup: int, repeats: int) -> float:
-    """Median wall time of ``step`` on ``device`` over ``repeats`` runs after
-    ``warmup`` untimed ones. On CUDA each run is bracketed by events and the device
-    is synchronized before and after it (start-up only)."""
-    cuda = torch.device(device).type == "cuda"
+def pipelined_step_seconds(step: Callable[[], object], device, *, warmup: int, repeats: int) -> float:
+    """Time per step of ``repeats`` runs of ``step`` queued back to back on ``device``,
+    after ``warmup`` untimed ones, with no sync between them (one at the end: start-up
+    only).
+
+    Serving overlaps a step's host work with the previous step's device work (the
+    overlap scheduler), so a step costs the larger of the two, not their sum. Steps
+    timed one by one between syncs add the host's launch work to each: on the H200
+    that put the plain step 11-14% above what a server without speculation took per
+    step, the speculative one 0-5% (benchmarks/results/h200-decision-20261202-logs/),
+    and the policy speculated where plain decode was faster."""
     for _ in range(warmup):
         step()
-    times = []
-    for _ in range(max(1, repeats)):
-        if cuda:
-            torch.cuda.synchronize(device)
-        timer = DeviceTimer.start(device)
+    timer = DeviceTimer.start(device)  # after the warm-up's work on the device stream
+    runs = max(1, repeats)
+    for _ in range(runs):
         step()
-        timer.stop()
-        if cuda:
-            torch.cuda.synchronize(device)
-        times.append(timer.seconds())
-    return statistics.median(times)
+    timer.stop()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return timer.seconds() / runs
 
 
 def _mode_steps(spec_worker, plain_graph, synthetic, last: dict) -> dict[str, Callable[[], None]]:
@@ -261,7 +263,7 @@ def measure_point(
     with compat.synthetic_decode_batch(spec_worker, batch_size, context_len) as synthetic:
         steps = _mode_steps(spec_worker, plain_graph, synthetic, last)
         for mode in MODES:
-            seconds = median_step_seconds(steps[mode], spec_worker.device, warmup=warmup, repeats=repeats)
+            seconds = pipelined_step_seconds(steps[mode], spec_worker.device, warmup=warmup, repeats=repeats)
             samples.append(StepCostSample(mode, batch_size, context_len, seconds))
     if eager_steps is not None:
         expected = ("plain", "spec") if plain_graph is not None else ("spec",)

@@ -23,7 +23,7 @@ from sglang_dynspec.step_timing import (
     format_step_costs,
     grid_for,
     measurement_order,
-    median_step_seconds,
+    pipelined_step_seconds,
     run_within_budget,
 )
 
@@ -155,13 +155,17 @@ def test_budget_prediction_uses_the_cheapest_dominating_point():
     assert measured == points[:5]
 
 
-def test_median_step_seconds_warms_up_then_takes_the_median(monkeypatch):
+def test_pipelined_step_seconds_warms_up_then_times_the_runs_together(monkeypatch):
     import sglang_dynspec.device_timer as device_timer
 
-    calls = []
-    clock = iter([0.0, 1.0, 5.0, 5.0, 10.0, 12.0])  # around the 3 timed runs: 1, 0 and 2 s
-    monkeypatch.setattr(device_timer.time, "perf_counter", lambda: next(clock))
-    assert median_step_seconds(lambda: calls.append(1), "cpu", warmup=2, repeats=3) == pytest.approx(1.0)
+    calls, now = [], [0.0]
+
+    def step():
+        calls.append(len(calls))
+        now[0] += 1.0 if len(calls) <= 2 else 2.0  # warm-up runs take 1 s, timed ones 2 s
+
+    monkeypatch.setattr(device_timer.time, "perf_counter", lambda: now[0])
+    assert pipelined_step_seconds(step, "cpu", warmup=2, repeats=3) == pytest.approx(2.0)
     assert len(calls) == 5
 
 
