@@ -639,15 +639,71 @@ def new_attention_backend(model_runner):
         model_runner.init_new_workspace = saved
 
 
-def run_target_decode(target_worker, batch: ScheduleBatch, capture_hidden: bool):
-    """One plain forward + sampling of the target model on ``batch``.
+def run_target_decode(target_worker, batch: ScheduleBatch, draft_input, capture_hidden: bool):
+    """One plain forward + sampling of the target model on ``batch`` (the fresh plain
+    batch), its result shaped as the v2 scheduler expects a speculative step's
+    (:func:`spec_shaped_result`; ``draft_input``: the speculative batch's draft state).
+    Returns ``(result, aux_hidden)``.
 
-    ``capture_hidden``: FULL capture, so ``logits_output.hidden_states`` holds the
-    packed EAGLE-3 auxiliary hidden states ``[bs, 3H]`` (as a verify forward returns
-    them). Otherwise SGLang derives the mode from the batch.
+    ``capture_hidden``: FULL capture, so ``aux_hidden`` holds the packed EAGLE-3
+    auxiliary hidden states ``[bs, 3H]`` (as a verify forward returns them); else None
+    and SGLang derives the capture mode from the batch.
     """
     mode = CaptureHiddenMode.FULL if capture_hidden else None
-    return target_worker.forward_batch_generation(batch, capture_hidden_mode=mode)
+    out = target_worker.forward_batch_generation(batch, capture_hidden_mode=mode)
+    aux_hidden = out.logits_output.hidden_states if out.logits_output is not None else None
+    return spec_shaped_result(out, batch, draft_input), aux_hidden
+
+
+def spec_shaped_result(out: GenerationBatchResult, plain_batch: ScheduleBatch, draft_input):
+    """Shape a plain forward's result as the v2 scheduler expects a spec result.
+
+    One token per request: ``accept_lens`` of ones (a tensor: the scheduler copies it
+    to the host and asserts it is there), row stride 1, ``new_seq_lens`` = committed
+    length + 1, and logprobs in the spec layout ``[bs, max_accept] = [bs, 1]``.
+    """
+    next_tokens = out.next_token_ids  # [bs]
+    bs = next_tokens.shape[0]
+    out.accept_lens = torch.ones(bs, dtype=torch.int32, device=next_tokens.device)
+    out.new_seq_lens = plain_batch.seq_lens  # [bs], a new tensor (see fresh_batch)
+    out.speculative_num_draft_tokens = 1
+    if hasattr(out, "speculative_output_stride"):  # not on every version
+        out.speculative_output_stride = 1
+    logits = out.logits_output
+    if plain_batch.return_logprob and logits is not None and logits.next_token_logprobs is not None:
+        logits.next_token_logprobs = logits.next_token_logprobs.view(-1, 1)
+    out.next_draft_input = plain_step_draft_input(next_tokens, draft_input)
+    # The overlap scheduler keeps the inputs of a launched forward alive for two
+    # iterations; these are the tensors this step created.
+    out.extra_keep_alive_refs = [plain_batch.input_ids, plain_batch.out_cache_loc, plain_batch.seq_lens]
+    return out
+
+
+def plain_step_draft_input(next_tokens: torch.Tensor, previous) -> EagleDraftInput:
+    """The spec state handed to the next step after a plain step.
+
+    ``next_tokens`` becomes the pending token, as a verify step's bonus would. The
+    draft's top-k and hidden state are carried over from the last speculative step
+    (``previous``), in both schedulers:
+
+    * synchronous: batch filtering and merging slice ``topk_p``, ``topk_index`` and
+      ``hidden_states`` unconditionally;
+    * overlap: ``FutureMap.stash`` writes them back unconditionally on 0.5.17
+      (``payload.topk_p.to(...)``: None crashes) and when present on 0.5.23. The
+      incoming tensors were gathered from the FutureMap for this step, so writing
+      them back keeps its rows as they were.
+    """
+    new = EagleDraftInput(
+        bonus_tokens=next_tokens,
+        capture_hidden_mode=CaptureHiddenMode.LAST,
+        num_tokens_per_req=1,
+        num_tokens_for_logprob_per_req=1,
+    )
+    new.topk_p = previous.topk_p
+    new.topk_index = previous.topk_index
+    new.hidden_states = previous.hidden_states
+    new.draft_probs = previous.draft_probs
+    return new
 
 
 def run_draft_extend(spec_worker, extend_batch: ScheduleBatch, target_hidden, tail_tokens) -> EagleDraftInput:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from sglang_dynspec import compat
+from sglang_dynspec.compat import spec_shaped_result
 from sglang_dynspec.plain_graph import PlainDecodeGraph, plain_decode_graphs
-from sglang_dynspec.plain_step import finish_plain_result
 
 
 def fake_runner():
@@ -67,7 +67,7 @@ def test_plain_result_is_spec_shaped_and_carries_the_draft_state():
         ),
         next_token_ids=torch.tensor([8, 9, 10]),
     )
-    result = finish_plain_result(out, plain, previous)
+    result = spec_shaped_result(out, plain, previous)
     assert result.accept_lens.dtype == torch.int32 and result.accept_lens.tolist() == [1, 1, 1]
     assert result.speculative_num_draft_tokens == 1
     assert result.new_seq_lens is plain.seq_lens
