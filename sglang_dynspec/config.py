@@ -20,7 +20,7 @@ DEFAULT_MIN_DWELL_STEPS decode steps between two switches.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields
 
 from sglang_dynspec.goodput import GoodputPolicy, GoodputSettings
@@ -91,7 +91,28 @@ CATCH_UP_TOKENS = Flag(
     f"buffer is replayed in plain mode (default {DEFAULT_CATCH_UP_TOKENS}; 0 disables the "
     "catch-up: the draft resumes from stale state).",
 )
-POLICIES = ("goodput", "threshold")
+
+
+def _goodput_policy(settings: Settings, max_acceptance: float) -> ModePolicy:
+    return GoodputPolicy(
+        GoodputSettings(
+            min_dwell_steps=max(1, settings.thresholds.min_dwell_steps),
+            max_spec_batch=settings.speculation_bound,
+            max_acceptance=max(1.0, max_acceptance),
+        )
+    )
+
+
+def _threshold_policy(settings: Settings, max_acceptance: float) -> ModePolicy:
+    return ThresholdPolicy(settings.thresholds)
+
+
+# A policy is a module plus one line here (build_policy reads it; the flag's choices too).
+POLICY_FACTORIES: dict[str, Callable[[Settings, float], ModePolicy]] = {
+    "goodput": _goodput_policy,
+    "threshold": _threshold_policy,
+}
+POLICIES = tuple(POLICY_FACTORIES)
 DEFAULT_POLICY = "goodput"
 POLICY = Flag(
     "--speculative-dynamic-policy",
@@ -352,15 +373,7 @@ def _default_thresholds(environ: Mapping[str, str]) -> SwitchThresholds:
 def build_policy(settings: Settings, max_acceptance: float = 4.0) -> ModePolicy:
     """The mode policy the settings ask for (``max_acceptance``: the most tokens one
     speculative step can give, ``--speculative-num-draft-tokens``)."""
-    if settings.policy == "goodput":
-        return GoodputPolicy(
-            GoodputSettings(
-                min_dwell_steps=max(1, settings.thresholds.min_dwell_steps),
-                max_spec_batch=settings.speculation_bound,
-                max_acceptance=max(1.0, max_acceptance),
-            )
-        )
-    return ThresholdPolicy(settings.thresholds)
+    return POLICY_FACTORIES[settings.policy](settings, max_acceptance)
 
 
 def unreachable_bound_warning(settings: Settings, max_running_requests: int) -> str | None:
