@@ -10,6 +10,11 @@ arithmetic (the split matmuls and their all-reduce) is the same on both servers.
 Two ranks on the CPU engine need their cores named (``SGLANG_CPU_OMP_THREADS_BIND``)
 and gloo groups (the test bed turns SGLang's PyNccl default off, ``plugin.py``).
 ``tests/test_two_ranks.py`` covers the refusal of settings that differ between ranks.
+
+The goodput policy (the default) adds rank-local inputs: step costs timed at start-up
+on each rank's clock (the first rank's table is handed to both, or read from the cache
+by the first rank alone) and device and host times every step (agreed every 16
+steps). A rank that took its own would decide differently and hang the server.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from dynspec_testbed.server import (
     serve,
 )
 from dynspec_testbed.workload import compare_outputs, plugin_counters, run_waves, waves_of
-from sglang_dynspec.config import REQUEST_MODES_ENV, REQUEST_MODES_KEY
+from sglang_dynspec.config import COST_CACHE_ENV, REQUEST_MODES_ENV, REQUEST_MODES_KEY
 
 pytestmark = pytest.mark.server
 
@@ -55,3 +60,42 @@ def test_two_ranks_switch_both_ways_and_match_the_baseline(tiny_models, tmp_path
     assert counters.catch_ups["resume"] >= 1 and counters.catch_ups["buffer_full"] >= 1, counters
     modes = [set(r["meta_info"][REQUEST_MODES_KEY]) for r in got.values()]
     assert {"plain"} in modes and {"spec"} in modes, modes
+
+
+GOODPUT_WAVES = waves_of([1, 4, 1, 4], seed=52, prefix="tp-gp", new_tokens=(24, 40))
+
+
+def test_two_ranks_with_the_goodput_policy_decide_alike_and_a_restart_reads_the_cached_table(
+    tiny_models, tmp_path
+):
+    reference = serve(
+        baseline_server_args(tiny_models, extra=["--tp-size", 2]),
+        lambda url: run_waves(url, GOODPUT_WAVES),
+        log_path=tmp_path / "reference.log",
+        env=TWO_RANK_CI_ENV,
+    )
+    # No policy flag: goodput is the default. The random draft is rejected (about one
+    # token per speculative step), so once the counters have measured it, it goes plain.
+    args = dynamic_server_args(
+        tiny_models,
+        policy=None,
+        disable_above=None,
+        dwell=4,
+        extra=["--tp-size", 2, "--max-running-requests", 8, "--enable-metrics"],
+    )
+    env = {**TWO_RANK_CI_ENV, COST_CACHE_ENV: str(tmp_path / "cost-cache")}
+    texts = []
+    for start in ("first", "restart"):
+        log = tmp_path / f"goodput-{start}.log"
+        with CpuServer(args, log_path=log, env=env) as server:
+            got = run_waves(server.url, GOODPUT_WAVES)
+            counters = plugin_counters(server.url)
+            assert_no_kv_left(server.url)
+        assert [str(m) for m in compare_outputs(reference, got)] == [], start
+        assert counters.switches_to_plain >= 1 and counters.steps_plain > 0, (start, counters)
+        texts.append(log.read_text())
+    first, restart = texts
+    assert "TP1" in first and "goodput policy" in first
+    assert "step costs (timed at start-up" in first
+    assert "step costs (read from the cache" in restart
+    assert list((tmp_path / "cost-cache").glob("step-costs-*.json")), "no table was cached"
