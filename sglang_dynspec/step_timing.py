@@ -11,9 +11,9 @@ before the first request, :func:`measure_step_costs` times
 
 on synthetic decode batches (``compat.synthetic_decode_batch``) over a grid of batch
 sizes and context lengths (:func:`default_grid`). Each point: ``warmup`` untimed
-steps per mode, then ``repeats`` steps queued back to back, timed together (CUDA events
-on CUDA and one synchronize at the end: this is start-up, not the hot path; the host
-clock elsewhere; :func:`pipelined_step_seconds`). Points are measured coarse-to-fine (:func:`measurement_order`) until the
+steps per mode, then the median of ``repeats`` steps queued back to back, each between
+its own events (CUDA events on CUDA and one synchronize at the end: this is start-up,
+not the hot path; the host clock elsewhere; :func:`pipelined_step_seconds`). Points are measured coarse-to-fine (:func:`measurement_order`) until the
 time budget is spent (``SGLANG_DYNSPEC_CALIBRATE_SECONDS``, 15 s by default). Every TP rank runs the same steps in the same order (they
 contain collectives): the grid and each go/stop decision are the first rank's.
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -210,26 +211,29 @@ def run_within_budget(
 
 
 def pipelined_step_seconds(step: Callable[[], object], device, *, warmup: int, repeats: int) -> float:
-    """Time per step of ``repeats`` runs of ``step`` queued back to back on ``device``,
-    after ``warmup`` untimed ones, with no sync between them (one at the end: start-up
-    only).
+    """Median time of ``repeats`` runs of ``step`` queued back to back on ``device``,
+    after ``warmup`` untimed ones: each run is bracketed by its own events, with no
+    sync between runs (one at the end: start-up only).
 
     Serving overlaps a step's host work with the previous step's device work (the
-    overlap scheduler), so a step costs the larger of the two, not their sum. Steps
-    timed one by one between syncs add the host's launch work to each: on the H200
-    that put the plain step 11-14% above what a server without speculation took per
-    step, the speculative one 0-5% (benchmarks/results/h200-decision-20261202-logs/),
-    and the policy speculated where plain decode was faster."""
+    overlap scheduler), so a step costs the larger of the two, not their sum; queued
+    back to back, each run's events measure just that. Steps timed one by one between
+    syncs add the host's launch work to each: on the H200 that put the plain step
+    11-14% above what a server without speculation took per step, the speculative one
+    0-5% (benchmarks/results/h200-decision-20261202-logs/), and the policy speculated
+    where plain decode was faster. The median drops a stalled run (on a loaded CPU one
+    run of three took 14x the others and the table sent an agreeing pair plain)."""
     for _ in range(warmup):
         step()
-    timer = DeviceTimer.start(device)  # after the warm-up's work on the device stream
-    runs = max(1, repeats)
-    for _ in range(runs):
+    timers = []
+    for _ in range(max(1, repeats)):
+        timer = DeviceTimer.start(device)  # runs on the device once the work before it has
         step()
-    timer.stop()
+        timer.stop()
+        timers.append(timer)
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
-    return timer.seconds() / runs
+    return statistics.median(t.seconds() for t in timers)
 
 
 def _mode_steps(spec_worker, plain_graph, synthetic, last: dict) -> dict[str, Callable[[], None]]:

@@ -155,17 +155,18 @@ def test_budget_prediction_uses_the_cheapest_dominating_point():
     assert measured == points[:5]
 
 
-def test_pipelined_step_seconds_warms_up_then_times_the_runs_together(monkeypatch):
+def test_pipelined_step_seconds_warms_up_then_takes_the_median_run(monkeypatch):
     import sglang_dynspec.device_timer as device_timer
 
+    took = iter([1.0, 1.0, 2.0, 30.0, 2.5])  # two warm-up runs, then a stall among three
     calls, now = [], [0.0]
 
     def step():
-        calls.append(len(calls))
-        now[0] += 1.0 if len(calls) <= 2 else 2.0  # warm-up runs take 1 s, timed ones 2 s
+        calls.append(1)
+        now[0] += next(took)
 
     monkeypatch.setattr(device_timer.time, "perf_counter", lambda: now[0])
-    assert pipelined_step_seconds(step, "cpu", warmup=2, repeats=3) == pytest.approx(2.0)
+    assert pipelined_step_seconds(step, "cpu", warmup=2, repeats=3) == pytest.approx(2.5)
     assert len(calls) == 5
 
 
