@@ -13,8 +13,10 @@
   scheduler a plain step's result is processed after the next step has started, and
   the counters count it as a verify with no accepted draft). Plain, the draft catch-up's
   replay: the share of replayed positions where the draft's top-1 proposal is the token
-  the target decoded (``on_replay``), turned into the expected accept length of the
-  configured chain (``goodput.expected_accept_length``) and scaled by how the last such
+  the target decoded (``on_replay``; the catch-up's tally is read back just before
+  an agreeing step and dated by the step its window closed at), turned into the
+  expected accept length of the configured chain (``goodput.expected_accept_length``)
+  and scaled by how the last such
   estimate compared with the counters that followed it (the replay drafts from the
   target's hidden states at every step; a real chain does so at its first step only).
   The policy gets the most recently measured one. With ``SGLANG_SIMULATE_ACC_LEN`` set
