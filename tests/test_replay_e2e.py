@@ -68,9 +68,12 @@ PLAIN_WAVE = waves_of([3], seed=42, prefix="plain-", new_tokens=(80, 80))
 
 
 def speculate_then_replay(url: str, tokens_per_request: int, seed: int):
-    """One request (the policy speculates while it pays; the counters measure, and
-    the estimate is theirs: under 32 decode steps, so no replay reaches the policy
-    yet), then the plain wave (the estimate is the replay's). Returns both snapshots."""
+    """One request (the policy speculates from the start, acceptance unknown, if the
+    most a step can accept would pay; the counters measure by the first agreement, and
+    no replay reaches the policy within 48 decode steps), then the plain wave (the
+    estimate is the replay's). Returns both snapshots. Load-sensitive: if the start-up
+    table says even full acceptance does not pay at one request, nothing speculates
+    and the counters never measure (seen for the counting pair on a loaded machine)."""
     run_waves(url, one_request(seed, tokens_per_request))
     counted = plugin_counters(url)
     run_waves(url, PLAIN_WAVE)
@@ -78,18 +81,20 @@ def speculate_then_replay(url: str, tokens_per_request: int, seed: int):
     return counted, replayed
 
 
-# (pair, chain as speculative_server_args takes it, request length for < 32 decode
-# steps at the pair's accept length, accept length the counters measure, replay's).
+# (pair, chain as speculative_server_args takes it, request length, accept length the
+# counters measure, replay's).
 # The counting pair's draft is right at a chain's first step only: with three steps
 # the replay (which drafts from the target's state at every position, as a chain's
 # first step does) sees p = 1 and the formula says 4, twice the counters. The policy
 # scales the replay by counters / replay once a speculative phase follows a replay
 # (estimates.EstimateFeed); this test reads the first plain phase, before that.
+# Request lengths keep the first phase under 48 decode steps even if the policy goes
+# plain at the first agreement (step 16): a replay closed at step 32 is read at 48.
 PAIRS = [
     ("random", {}, 24, 1.0, 1.0),
-    ("agree", {}, 120, 4.0, 4.0),
-    ("count", {"steps": 1, "topk": 1, "draft_tokens": 2}, 60, 2.0, 2.0),
-    ("count-3", {}, 60, 2.0, 4.0),
+    ("agree", {}, 80, 4.0, 4.0),
+    ("count", {"steps": 1, "topk": 1, "draft_tokens": 2}, 40, 2.0, 2.0),
+    ("count-3", {}, 40, 2.0, 4.0),
 ]
 
 
