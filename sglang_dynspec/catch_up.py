@@ -21,6 +21,18 @@ would have written there and returns fresh proposals:
     catch-up:      EXTEND with prefix s, extend L - s; input t[s..L-1] (rotated by
                    one, b appended, as a prefill), hidden = the logged aux rows
 
+While it replays, a catch-up also measures how well the draft would have drafted
+(``ReplayTally``; on when the policy uses it, the goodput policy): at each replayed
+position it compares the draft's top-1 proposal with the token the target decoded
+there. The draft at position ``p`` reads the target's state at ``p`` and the token at
+``p + 1`` (the rotated input) and proposes the token at ``p + 2``: the next input
+token of the rotated sequence, which is in the log for all but each request's last
+position (the pending token ``b`` for the one before it; the last position's
+proposal is the next step's draft, not known yet). So a request with a gap of ``g``
+gives ``g - 1`` comparisons, at most ``MAX_COMPARED`` per catch-up (evenly spaced
+beyond that). Matches add up in a device tensor; the host reads them back, behind
+the queued work, only when the estimate feed agrees its inputs (``read_back``).
+
 When it runs (``worker.py``): before a speculative step whose batch has gaps (the
 resume), before a mixed prefill+decode step for its decoding requests, and in plain
 mode before a step at which a gap would outgrow the buffer (then every gap in the
@@ -33,8 +45,10 @@ never a wrong token: the target verifies every draft).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -332,17 +346,61 @@ def with_draft_state_rows(draft_input, rows: torch.Tensor, fresh) -> None:
         setattr(draft_input, name, old.index_copy(0, rows, new.to(old.dtype)))
 
 
+# Replayed positions compared per catch-up, at most: each costs one row of the
+# draft's logits head (H x draft vocab multiply-adds); a flush of 128 requests x 128
+# positions would otherwise add 16,384 rows. Beyond it, evenly spaced positions.
+MAX_COMPARED = 1024
+
+
+class ReplayTally:
+    """How often the draft's top-1 proposal matched the target's token in the replays.
+
+    Matches are summed on the device (``add`` never reads a tensor); the compared
+    positions are counted on the host (known from the gap lengths). ``read_back`` closes
+    the current window: it copies the device sum into pinned memory behind the queued
+    work (``HostCopy``) and returns the windows closed earlier whose copies have run,
+    so the host never waits for the device.
+    """
+
+    def __init__(self, device):
+        self._matches = torch.zeros(1, dtype=torch.int64, device=device)
+        self._positions = 0
+        self._closed: deque[tuple[HostCopy, int, int]] = deque()  # (copy, positions, stamp)
+
+    def add(self, agree: torch.Tensor, positions: int) -> None:
+        """``agree`` ``[n]`` (bool, device): which compared positions matched;
+        ``positions``: how many of them count (the host's number)."""
+        self._matches.add_(agree.sum())
+        self._positions += positions
+
+    def read_back(self, stamp: int) -> list[tuple[int, int, int]]:
+        """``(matches, positions, stamp)`` of each window closed before this call whose
+        copy has run, in order; then closes the current window under ``stamp`` (the
+        caller's step count)."""
+        done = []
+        while self._closed and self._closed[0][0].ready():
+            copy, positions, closed_at = self._closed.popleft()
+            done.append((copy.read()[0], positions, closed_at))
+        if self._positions:
+            self._closed.append((HostCopy(self._matches), self._positions, stamp))
+            self._matches.zero_()  # queued after the copy: the copy reads the sum
+            self._positions = 0
+        return done
+
+
 class CatchUp(Protocol):
     """What the worker calls at the edges of every step (``worker.py``).
 
     Decode steps: ``before_plain_step``, the plain forward, ``after_plain_step``; or
     ``before_speculative_step`` and the speculative step. Prefill and mixed steps:
     ``before_extend_step``. ``enabled``: plain forwards must capture the target's
-    auxiliary hidden states (``after_plain_step`` logs them).
+    auxiliary hidden states (``after_plain_step`` logs them). ``replays``: the
+    draft-vs-target tally of the replays, or None when nothing is compared.
     """
 
     enabled: bool
     nbytes: int  # device memory held
+    replays: ReplayTally | None
 
     def before_plain_step(self, batch: ScheduleBatch) -> None: ...
 
@@ -359,6 +417,7 @@ class NoCatchUp:
 
     enabled = False
     nbytes = 0
+    replays = None
 
     def before_plain_step(self, batch: ScheduleBatch) -> None:
         pass
@@ -373,17 +432,30 @@ class NoCatchUp:
         pass
 
 
+class DraftTop1(Protocol):
+    """Reads the draft's top-1 proposals at chosen rows of a pass (``compat.DraftTop1``)."""
+
+    def capture(self, rows: torch.Tensor):
+        """A context manager yielding a list: each draft forward inside appends the
+        logits head's input at ``rows``."""
+
+    def top1(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Target token ids: the draft's argmax at each captured row."""
+
+
 @dataclass(frozen=True)
 class DraftPasses:
     """The two draft passes a catch-up runs, bound to one worker (``compat.draft_passes``).
 
     ``extend(batch, hidden, tails)`` writes the draft KV of an EXTEND batch and returns
     the draft state of each request's last position (SGLang's prefill pass);
-    ``fill_kv(batch, hidden, tails, last_rows)`` writes the draft KV only.
+    ``fill_kv(batch, hidden, tails, last_rows)`` writes the draft KV only. ``top1``:
+    reads the draft's proposals during either (None: replays are not compared).
     """
 
     extend: Callable[[ScheduleBatch, torch.Tensor, torch.Tensor], object]
     fill_kv: Callable[[ScheduleBatch, torch.Tensor, torch.Tensor, torch.Tensor], None]
+    top1: DraftTop1 | None = None
 
 
 class DraftCatchUp:
@@ -391,7 +463,8 @@ class DraftCatchUp:
 
     Built from values: the request-to-token table ``[pool_size, max_context]``, the
     width and dtype of the target's auxiliary hidden states, the two draft passes, and
-    ``report``, which gets each catch-up with a device timer.
+    ``report``, which gets each catch-up with a device timer. With ``passes.top1`` each
+    catch-up also compares the draft's proposals with the target's tokens (``replays``).
     """
 
     enabled = True
@@ -409,6 +482,7 @@ class DraftCatchUp:
         self.device = req_to_token.device
         self.passes = passes
         self.report = report
+        self.replays = ReplayTally(self.device) if passes.top1 is not None else None
         self.log = PlainGapLog(
             pool_size=int(req_to_token.shape[0]),
             capacity=capacity,
@@ -491,24 +565,59 @@ class DraftCatchUp:
         flush: the plain step that follows starts a new gap, and the catch-up at
         resume produces the state the draft needs, so that flush only writes KV
         (``compat.fill_draft_kv``, one batched rotation instead of SGLang's
-        per-request loop, no sampling)."""
+        per-request loop, no sampling). Either pass is also compared with the
+        target's tokens when ``replays`` is on (module docstring)."""
         timer = DeviceTimer.start(self.device)
         hidden, tokens = self.log.gather(gap_rows)
         ext = build_catch_up_batch(batch, gap_rows, tokens, self.req_to_token)
-        if reason is CatchUpReason.BUFFER_FULL:
+        compared = self._compared_rows(gap_rows)
+        last_rows = None
+        if reason is CatchUpReason.BUFFER_FULL or compared:
             last_rows = to_device(gap_rows.last_positions(), torch.int64, tokens.device)
-            self.passes.fill_kv(ext, hidden, tails, last_rows)
-            fresh = None
-        else:
-            fresh = self.passes.extend(ext, hidden, tails)
+        with contextlib.ExitStack() as stack:
+            seen = stack.enter_context(self.passes.top1.capture(compared[0])) if compared else None
+            if reason is CatchUpReason.BUFFER_FULL:
+                self.passes.fill_kv(ext, hidden, tails, last_rows)
+                fresh = None
+            else:
+                fresh = self.passes.extend(ext, hidden, tails)
+        if seen:
+            self._compare(tokens, tails, last_rows, compared, seen[-1])
         self.log.forget(gap_rows.pool_indices)
         timer.stop()
         self.report(reason, len(gap_rows), gap_rows.num_tokens, timer)
         return fresh
 
+    def _compared_rows(self, gap_rows: GapRows) -> tuple[torch.Tensor, int] | None:
+        """``(rows, positions)``: the replayed rows whose proposal is compared
+        (every ``stride``-th, from 0, so that at most ``MAX_COMPARED`` are) and how many
+        of them count (each request's last row has no known answer); None if none."""
+        if self.replays is None:
+            return None
+        total = gap_rows.num_tokens
+        stride = max(1, -(-total // MAX_COMPARED))
+        rows = torch.arange(0, total, stride, dtype=torch.int64, device=self.device)
+        positions = rows.numel() - sum(1 for p in gap_rows.last_positions() if p % stride == 0)
+        return (rows, positions) if positions > 0 else None
 
-def new_catch_up(spec_worker, capacity: int, report: CatchUpReport) -> CatchUp:
-    """The catch-up of ``spec_worker`` with ``capacity`` positions per request (0: none)."""
+    def _compare(self, tokens, tails, last_rows, compared, hidden) -> None:
+        """Tally the draft's top-1 at the compared rows against the target's tokens:
+        the proposal at replayed row ``j`` is for the token that is the rotated
+        input at ``j + 1`` (module docstring); rows that are a request's last are left
+        out."""
+        rows, positions = compared
+        rotated = tokens.roll(-1, 0)
+        rotated[last_rows] = tails.to(tokens.dtype)
+        last = rows.new_zeros(tokens.numel(), dtype=torch.bool).index_fill_(0, last_rows, True)
+        answers = rotated[(rows + 1).clamp_(max=tokens.numel() - 1)]
+        proposals = self.passes.top1.top1(hidden)
+        self.replays.add((proposals.to(answers.dtype) == answers) & ~last[rows], positions)
+
+
+def new_catch_up(spec_worker, capacity: int, report: CatchUpReport, compare: bool = False) -> CatchUp:
+    """The catch-up of ``spec_worker`` with ``capacity`` positions per request (0: none);
+    ``compare``: tally the draft's proposals against the target's tokens (``replays``;
+    left off for a draft model whose logits head ``compat.draft_top1`` cannot read)."""
     if not capacity:
         return NoCatchUp()
     return DraftCatchUp(
@@ -516,6 +625,8 @@ def new_catch_up(spec_worker, capacity: int, report: CatchUpReport) -> CatchUp:
         capacity=capacity,
         hidden_width=compat.target_hidden_width(spec_worker),
         hidden_dtype=compat.target_hidden_dtype(spec_worker),
-        passes=DraftPasses(*compat.draft_passes(spec_worker)),
+        passes=DraftPasses(
+            *compat.draft_passes(spec_worker), compat.draft_top1(spec_worker) if compare else None
+        ),
         report=report,
     )

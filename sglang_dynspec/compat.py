@@ -45,7 +45,7 @@ import sglang
 import torch
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed import parallel_state
-from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.layers.logits_processor import LogitsMetadata, LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.managers import overlap_utils
 from sglang.srt.managers.schedule_batch import Req, ReqKvInfo, ScheduleBatch
 from sglang.srt.managers.tp_worker import TpModelWorker
@@ -58,6 +58,7 @@ from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 from sglang.srt.model_executor.runner.base_runner import BaseRunner
 from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from sglang.srt.sampling.penaltylib import BatchedPenalizerOrchestrator
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
@@ -290,7 +291,16 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
             "can_run_cuda_graph",
         ),
     ),
-    HostSymbols(LogitsProcessorOutput, ("hidden_states", "next_token_logprobs", "customized_info")),
+    HostSymbols(
+        LogitsProcessorOutput,
+        ("hidden_states", "next_token_logprobs", "customized_info", "next_token_logits"),
+    ),
+    # The draft's top-1 proposals at replayed positions (draft_top1): the draft model's
+    # logits head and its hot-token map (EAGLE-3's d2t).
+    HostSymbols(EagleDraftWorker, ("hot_token_id",)),
+    HostSymbols(ModelRunner, ("model",)),
+    HostSymbols(LlamaForCausalLMEagle3, ("logits_processor", "lm_head")),
+    HostSymbols(LogitsMetadata, ("forward_mode",)),
     # Step-cost calibration: the synthetic decode batch and the limits of the grid
     # (synthetic_decode_batch, synthetic_batch_limits, decode_graph_batch_sizes).
     HostSymbols(EAGLEWorkerV2, ("token_to_kv_pool_allocator", "topk")),
@@ -756,6 +766,65 @@ def fill_draft_kv(spec_worker, extend_batch: ScheduleBatch, target_hidden, tail_
         )
         forward_batch.return_logprob = False
         draft_runner.forward(forward_batch)
+
+
+class DraftTop1:
+    """The draft's top-1 proposal at chosen positions of a draft forward, in target ids.
+
+    What the draft would propose at a position is the argmax of its logits there. A
+    catch-up's forward (an EXTEND) computes logits at each request's last position
+    only, so :meth:`capture` records the input of the draft model's logits head (its
+    final, normed hidden state, ``[num_tokens, H]``) at the chosen rows, through a
+    forward pre-hook on the model's ``LogitsProcessor`` (removed on exit); :meth:`top1`
+    then runs that same ``LogitsProcessor`` on those rows alone, as a DECODE batch (its
+    ``lm_head``, tensor-parallel gather, scaling and softcap; in chunks, so at most
+    ``CHUNK`` rows of logits exist at once), takes the argmax and maps draft-vocab ids
+    to target ids through the draft worker's hot-token map (EAGLE-3's ``d2t``; None
+    where the draft shares the target's vocabulary), as SGLang's draft does before
+    proposing (``EagleDraftWorker.draft_forward``). Device tensors in and out.
+    """
+
+    CHUNK = 256
+
+    def __init__(self, processor, lm_head, hot_token_id):
+        self._processor, self._lm_head, self._hot = processor, lm_head, hot_token_id
+
+    @contextlib.contextmanager
+    def capture(self, rows: torch.Tensor) -> Iterator[list]:
+        """Within the block, each forward of the draft model appends the logits head's
+        input at ``rows`` to the yielded list (empty if the head did not run eagerly)."""
+        seen: list = []
+
+        def hook(_module, args, kwargs):
+            hidden = args[1] if len(args) > 1 else kwargs["hidden_states"]
+            seen.append(hidden.index_select(0, rows))
+
+        handle = self._processor.register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            yield seen
+        finally:
+            handle.remove()
+
+    def top1(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n]`` target token ids: the draft's argmax at each row of ``hidden`` ``[n, H]``."""
+        metadata = LogitsMetadata(forward_mode=ForwardMode.DECODE)
+        ids = [
+            self._processor(None, chunk, self._lm_head, metadata).next_token_logits.argmax(dim=-1)
+            for chunk in hidden.split(self.CHUNK)
+        ]
+        ids = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64, device=hidden.device)
+        return ids if self._hot is None else self._hot[ids]
+
+
+def draft_top1(spec_worker) -> DraftTop1 | None:
+    """The draft's top-1 reader (:class:`DraftTop1`), or None for a draft model without
+    a ``LogitsProcessor`` and ``lm_head`` of its own (then nothing is compared)."""
+    draft_worker = spec_worker.draft_worker
+    model = draft_worker.draft_runner.model
+    processor, lm_head = getattr(model, "logits_processor", None), getattr(model, "lm_head", None)
+    if not isinstance(processor, LogitsProcessor) or lm_head is None:
+        return None
+    return DraftTop1(processor, lm_head, getattr(draft_worker, "hot_token_id", None))
 
 
 def tag_step_mode(result: GenerationBatchResult, key: str, mode: str) -> None:

@@ -2,9 +2,11 @@
 
 The worker calls it twice per decode step: :meth:`ModeController.before_decode`
 returns the mode of the step, :meth:`ModeController.after_decode` accounts for it.
-The draft catch-up reports its work through :meth:`ModeController.on_catch_up`.
-Device times and accept lengths are read by polling (``device_timer``), never by
-waiting, at the start of the next decode step.
+The draft catch-up reports its work through :meth:`ModeController.on_catch_up`, and
+its draft-vs-target tally is read back (``set_replay_source``) just before each step
+at which the estimate feed agrees its inputs. Device times and accept lengths are
+read by polling (``device_timer``), never by waiting, at the start of the next
+decode step.
 
 Every input of the decision is identical on every TP rank (the policy's contract);
 telemetry only observes it.
@@ -12,7 +14,7 @@ telemetry only observes it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from sglang_dynspec.config import Settings, build_policy
 from sglang_dynspec.cost_model import StepCostTable
@@ -21,6 +23,11 @@ from sglang_dynspec.estimates import AcceptCounters, EstimateFeed
 from sglang_dynspec.metric_names import CatchUpReason
 from sglang_dynspec.policy import Mode, ModePolicy, Switch
 from sglang_dynspec.telemetry import StepStats, TelemetrySink
+
+# Reads back the catch-up's draft-vs-target tally (``catch_up.ReplayTally.read_back``):
+# given the feed's step count, closes the current window under it and returns
+# (matches, positions, step it was closed at) of earlier windows whose copies have run.
+ReplaySource = Callable[[int], Iterable[tuple[int, int, int]]]
 
 
 def build_sinks(*, first_rank: bool, metrics_enabled: bool, labels: Mapping[str, str]) -> list[TelemetrySink]:
@@ -70,6 +77,7 @@ class ModeController:
         self._feed = feed if policy.needs_estimates else None
         if policy.needs_estimates and feed is None:
             raise ValueError(f"{type(policy).__name__} needs an EstimateFeed")
+        self._replays: ReplaySource | None = None
 
     @classmethod
     def from_settings(
@@ -108,6 +116,11 @@ class ModeController:
             catch_up_capacity=settings.catch_up_tokens,
         )
 
+    def set_replay_source(self, read_back: ReplaySource) -> None:
+        """Where the catch-up's replay comparisons come from (read only by a policy that
+        uses estimates)."""
+        self._replays = read_back
+
     def set_cost_table(self, table: StepCostTable) -> None:
         """The start-up step costs (identical on every rank)."""
         if self._feed is not None:
@@ -133,6 +146,10 @@ class ModeController:
         they were, so its decision applies again once no such request is left."""
         self._readings.poll()
         if self._feed is not None:
+            if self._replays is not None and self._feed.agrees_next():
+                # Rank-local values: they reach the policy through the agreement below.
+                for matches, positions, measured_at in self._replays(self._feed.steps):
+                    self._feed.on_replay(matches, positions, measured_at)
             estimates = self._feed.before_decode(batch_size, context_len, accept_counters)
             if estimates is not None:
                 self.policy.update(estimates)

@@ -121,6 +121,10 @@ class HostCopy:
             self._host = values.clone()
             self._event = None
 
+    def ready(self) -> bool:
+        """True once the copy has run (``read`` would not wait); never waits itself."""
+        return self._values is not None or self._event is None or self._event.query()
+
     def read(self) -> list:
         if self._values is None:
             if self._event is not None:

@@ -13,8 +13,10 @@
   scheduler a plain step's result is processed after the next step has started, and
   the counters count it as a verify with no accepted draft). Plain, the draft catch-up's
   replay: the share of replayed positions where the draft's top-1 proposal is the token
-  the target decoded (``on_replay``), turned into the expected accept length of the
-  configured chain (``goodput.expected_accept_length``) and scaled by how the last such
+  the target decoded (``on_replay``; the catch-up's tally is read back just before
+  an agreeing step and dated by the step its window closed at), turned into the
+  expected accept length of the configured chain (``goodput.expected_accept_length``)
+  and scaled by how the last such
   estimate compared with the counters that followed it (the replay drafts from the
   target's hidden states at every step; a real chain does so at its first step only).
   The policy gets the most recently measured one. With ``SGLANG_SIMULATE_ACC_LEN`` set
@@ -115,12 +117,23 @@ class EstimateFeed:
         if predicted:
             self.corrections.observe("device", mode, batch_size, seconds, predicted)
 
-    def on_replay(self, matches: int, positions: int) -> None:
-        """A catch-up compared the draft's top-1 proposal with the target's token at
-        ``positions`` replayed positions, ``matches`` of which agreed."""
+    def on_replay(self, matches: int, positions: int, measured_at: int | None = None) -> None:
+        """Catch-ups compared the draft's top-1 proposal with the target's token at
+        ``positions`` replayed positions, ``matches`` of which agreed. ``measured_at``:
+        the decode step (``steps``) by which they had run, when they are read back
+        later than that (the catch-up's tally is read a window late); default now."""
         if positions > 0:
             self._replay_agreement.add(matches / positions)
-            self._fresh["replay"] = self._steps
+            self._fresh["replay"] = self._steps if measured_at is None else measured_at
+
+    @property
+    def steps(self) -> int:
+        """Decode steps counted so far."""
+        return self._steps
+
+    def agrees_next(self) -> bool:
+        """True if the next ``before_decode`` agrees the inputs (the same steps on every rank)."""
+        return (self._steps + 1) % self._agree_every == 0
 
     def on_catch_up_time(self, positions: int, seconds: float) -> None:
         if positions > 0 and seconds >= 0:

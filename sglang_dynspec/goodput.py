@@ -41,10 +41,25 @@ from sglang_dynspec.policy import Mode, ModePolicy
 
 
 def expected_accept_length(agreement: float, draft_steps: int) -> float:
-    """Tokens per request per speculative step of a chain of ``draft_steps`` drafts when
-    each draft agrees with the target's token with probability ``agreement``,
-    independently: the bonus token plus the accepted prefix,
-    ``1 + p + p^2 + ... + p^k``."""
+    """Tokens per request per speculative step of a chain of ``k = draft_steps`` drafts
+    (top-k 1) when each draft is the target's token with probability ``p = agreement``.
+
+    The target verifies the chain in order and keeps the drafts up to the first wrong
+    one, then adds its own (bonus) token. Draft ``i`` is kept only if drafts ``1..i``
+    all agree, which has probability ``p^i`` if each agrees independently with the
+    same ``p``. The expected accept length is the bonus token plus the expected
+    number of kept drafts:
+
+        E = 1 + p + p^2 + ... + p^k  = (1 - p^(k+1)) / (1 - p)  (k + 1 at p = 1)
+
+    ``p`` is measured by the draft catch-up's replay (``catch_up.ReplayTally``): the
+    share of replayed positions where the draft's top-1 proposal, drafted from the
+    target's own state, is the token the target decoded. That is the chain's first
+    step. Later steps draft from the draft's own state and usually agree less, so
+    ``E`` is an upper estimate; ``estimates.EstimateFeed`` scales it by how it compared
+    with the accept counters after the last replay. With top-k > 1 (a tree) the
+    target can also keep a draft that is not the top-1, so ``E`` is then a lower
+    estimate of that part."""
     if not 0.0 <= agreement <= 1.0:
         raise ValueError(f"agreement must be in [0, 1], got {agreement}")
     if draft_steps < 0:

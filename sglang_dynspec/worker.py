@@ -72,7 +72,21 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
         # The scheduler calls this once the KV pools exist (both SGLang versions, with
         # or without CUDA graphs): allocate the catch-up buffer first, so the graphs
         # are captured with it in place.
-        self.catch_up = new_catch_up(self, self.settings.catch_up_tokens, self.controller.on_catch_up)
+        # A policy that uses estimates also gets the replays' draft-vs-target agreement.
+        compare = self.controller.policy.needs_estimates
+        self.catch_up = new_catch_up(
+            self, self.settings.catch_up_tokens, self.controller.on_catch_up, compare=compare
+        )
+        if self.catch_up.replays is not None:
+            self.controller.set_replay_source(self.catch_up.replays.read_back)
+        elif compare and self._first_rank:
+            logger.warning(
+                "[sglang-dynspec] the draft catch-up %s, so plain steps do not measure acceptance: "
+                "a plain phase keeps the last speculative acceptance",
+                "is off (--speculative-catch-up-tokens 0)"
+                if not self.catch_up.enabled
+                else "cannot read the draft model's logits head",
+            )
         if self.catch_up.enabled and self._first_rank:
             logger.info(
                 "[sglang-dynspec] draft catch-up buffer: %d positions x %d requests, %.0f MiB (allocated "

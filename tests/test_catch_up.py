@@ -18,6 +18,7 @@ acceptance right after a resume) are in ``test_catch_up_e2e.py``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import types
 
@@ -35,6 +36,7 @@ from schedule_batches import (
     spec_decode_cases,
 )
 
+from sglang_dynspec import catch_up as catch_up_module
 from sglang_dynspec.catch_up import (
     CatchUp,
     DraftCatchUp,
@@ -42,9 +44,11 @@ from sglang_dynspec.catch_up import (
     GapRows,
     NoCatchUp,
     PlainGapLog,
+    ReplayTally,
     build_catch_up_batch,
 )
 from sglang_dynspec.compat import ForwardMode
+from sglang_dynspec.device_timer import HostCopy
 from sglang_dynspec.metric_names import CatchUpReason
 
 POOL, CAPACITY, WIDTH = 6, 4, 3
@@ -369,3 +373,163 @@ def test_no_catch_up_implements_the_protocol_and_does_nothing():
     hooks.after_plain_step(made.batch.spec_info.bonus_tokens, None)
     hooks.before_speculative_step(made.batch)
     hooks.before_extend_step(made.batch)
+
+
+# ------------------------------------------------- draft-vs-target comparison (replays)
+class FakeTop1:
+    """A stand-in for ``compat.DraftTop1`` over ``FakeDraft``: the captured "hidden
+    state" of a row is the proposal itself (one column), so ``top1`` reads it back."""
+
+    def __init__(self):
+        self.seen: list | None = None
+        self.rows: torch.Tensor | None = None
+
+    @contextlib.contextmanager
+    def capture(self, rows):
+        self.seen, self.rows = [], rows
+        try:
+            yield self.seen
+        finally:
+            self.seen = self.rows = None
+
+    def forward(self, proposals: torch.Tensor) -> None:
+        """A draft forward ran: its logits head saw ``proposals`` ``[num_tokens]``."""
+        if self.seen is not None:
+            self.seen.append(proposals.to(torch.float32)[:, None].index_select(0, self.rows))
+
+    def top1(self, hidden):
+        return hidden[:, 0].to(torch.int64)
+
+
+def proposal(rotated: list[int], i: int) -> int:
+    """What the fake draft proposes at gap index ``i`` of a request whose rotated input
+    (logged tokens after the first, then the pending token) is ``rotated``: the token
+    the target decoded after ``rotated[i]`` (``rotated[i + 1]``) unless that token is a
+    multiple of 3, and a token the target never decodes otherwise. At the last index,
+    whose answer is not known yet, it proposes the pending token, which a comparison
+    that did not leave that index out would count (against the clamped last row)."""
+    if i == len(rotated) - 1:
+        return rotated[i]
+    return rotated[i + 1] if rotated[i + 1] % 3 else -1 - i
+
+
+class FakeDraft(FakeDraftPasses):
+    """Draft passes that also "propose", through ``FakeTop1``, as ``proposal`` says."""
+
+    def __init__(self, topk: int, hidden_size: int):
+        super().__init__(topk, hidden_size)
+        self.top1 = FakeTop1()
+
+    def _propose(self, ext, tails):
+        out, start = [], 0
+        for k, g in enumerate(ext.extend_lens):
+            rotated = ext.input_ids[start + 1 : start + g].tolist() + [int(tails[k])]
+            out += [proposal(rotated, i) for i in range(g)]
+            start += g
+        self.top1.forward(torch.tensor(out))
+
+    def extend(self, ext, hidden, tails):
+        self._propose(ext, tails)
+        return super().extend(ext, hidden, tails)
+
+    def fill_kv(self, ext, hidden, tails, last_rows):
+        self._propose(ext, tails)
+        super().fill_kv(ext, hidden, tails, last_rows)
+
+
+def comparing_catch_up(made, case, capacity):
+    draft = FakeDraft(case.topk, case.hidden_size)
+    catch_up = DraftCatchUp(
+        made.req_to_token,
+        capacity=capacity,
+        hidden_width=AUX_WIDTH,
+        hidden_dtype=torch.float32,
+        passes=DraftPasses(draft.extend, draft.fill_kv, draft.top1),
+        report=lambda *args: None,
+    )
+    return catch_up, draft
+
+
+def expected_tally(logged, tails, compared_every=1) -> tuple[int, int]:
+    """(matches, positions) from the logged plain steps, in pure Python: request ``r``'s
+    gap index ``i`` is compared with the token decoded two positions on, for every
+    index but the last; with ``compared_every`` > 1, only flat rows that are multiples
+    of it (request after request)."""
+    matches = positions = row = 0
+    for r, tail in enumerate(tails):
+        inputs = [int(step[0][r]) for step in logged]
+        rotated = inputs[1:] + [int(tail)]
+        for i in range(len(inputs)):
+            if row % compared_every == 0 and i < len(inputs) - 1:
+                positions += 1
+                matches += (
+                    proposal(rotated, i) == inputs[i + 2]
+                    if i + 2 < len(inputs)
+                    else (proposal(rotated, i) == int(tail))
+                )
+            row += 1
+    return matches, positions
+
+
+@CATCH_UP_SETTINGS
+@given(case=spec_decode_cases(max_requests=4), steps=st.integers(1, 4), resume=st.booleans())
+def test_a_catch_up_counts_where_the_drafts_top1_is_the_targets_next_token(case, steps, resume):
+    """Both kinds of catch-up (a resume's draft extend, a full buffer's KV fill) tally the
+    draft's proposals against the tokens the target decoded: the right position (not
+    the draft's own input, not one past), each request's last position left out."""
+    made = build_spec_decode_batch(case)
+    batch = made.batch
+    capacity = steps if not resume else 4
+    catch_up, draft = comparing_catch_up(made, case, capacity)
+    logged = plain_steps(catch_up, batch, steps, torch.Generator().manual_seed(case.seed % 2**31))
+    tails = batch.spec_info.bonus_tokens.tolist()
+    if resume:
+        catch_up.before_speculative_step(batch)
+    else:
+        plain_steps(catch_up, batch, 1, torch.Generator().manual_seed(5))  # flushes first
+    assert draft.calls[0][0] == ("extend" if resume else "fill_kv")
+
+    matches, positions = expected_tally(logged, tails)
+    assert catch_up.replays.read_back(stamp=7) == []  # closed now, read at the next call
+    assert catch_up.replays.read_back(stamp=8) == ([(matches, positions, 7)] if positions else [])
+    assert catch_up.replays.read_back(stamp=9) == []  # nothing since
+
+
+def test_at_most_max_compared_positions_are_compared_evenly_spaced(monkeypatch):
+    made = build_spec_decode_batch(SPEC_CASE)  # two requests
+    monkeypatch.setattr(catch_up_module, "MAX_COMPARED", 3)
+    catch_up, draft = comparing_catch_up(made, SPEC_CASE, capacity=4)
+    logged = plain_steps(catch_up, made.batch, 4, torch.Generator().manual_seed(9))
+    tails = made.batch.spec_info.bonus_tokens.tolist()
+    catch_up.before_speculative_step(made.batch)
+    # 8 replayed rows, at most 3 compared: rows 0, 3, 6 (stride 3); row 3 is request 0's last.
+    assert draft.calls and catch_up.replays.read_back(0) == []
+    [(matches, positions, _)] = catch_up.replays.read_back(1)
+    assert (matches, positions) == expected_tally(logged, tails, compared_every=3)
+    assert positions == 2
+
+
+def test_nothing_is_compared_without_a_top1_reader():
+    made = build_spec_decode_batch(SPEC_CASE)
+    catch_up, passes, _ = draft_catch_up(made, SPEC_CASE, capacity=4)
+    assert catch_up.replays is None and NoCatchUp().replays is None
+
+
+def test_the_tally_reads_back_only_copies_that_have_run():
+    class Pending(HostCopy):
+        done = False
+
+        def ready(self):
+            return self.done
+
+    tally = ReplayTally("cpu")
+    tally.add(torch.tensor([True, False, True]), 3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(catch_up_module, "HostCopy", Pending)
+        assert tally.read_back(16) == []  # window closed, its copy not run yet
+        tally.add(torch.tensor([True]), 1)
+        assert tally.read_back(32) == []  # still not: the first window blocks the queue
+    for copy_, _, _ in tally._closed:
+        copy_.done = True
+    assert tally.read_back(48) == [(2, 3, 16), (1, 1, 32)]  # in order, each its own stamp
+    assert tally.read_back(64) == []  # windows with no positions are not closed

@@ -260,6 +260,43 @@ def test_replay_estimates_plain_mode_acceptance_and_learns_its_bias():
     assert e.acceptance_source == "replay" and e.acceptance == pytest.approx(2.0)  # bias 2/1.875 learnt
 
 
+def test_controller_reads_the_replays_back_only_before_agreeing_and_dates_them_when_closed():
+    """The catch-up's tally is read (``set_replay_source``) only just before a step that
+    agrees, every rank at the same steps; what it returns is dated by the step its
+    window was closed at, so counters measured after that step are the fresher source."""
+    feed = EstimateFeed(agree=lambda x: x, agree_every=4, draft_steps=3, clock=FakeClock())
+    policy = GoodputPolicy(GoodputSettings(min_dwell_steps=1))
+    controller = ModeController(policy, feed=feed, start_timer=lambda: FakeTimer(FakeClock()))
+    reads, windows = [], []  # steps at which the source was read; windows it closed, not yet read back
+
+    def read_back(stamp):
+        reads.append(stamp)
+        done, windows[:] = list(windows), [(50, 100, stamp)]  # one window late, as ReplayTally
+        return done
+
+    controller.set_replay_source(read_back)
+    counters = {"a": [0, 0]}
+
+    def step(plain: bool, accepted: int = 0):
+        mode = controller.before_decode(4, lambda: [(r, c, v) for r, (c, v) in counters.items()], plain)
+        controller.after_decode(mode)
+        counters["a"][1] += 1
+        counters["a"][0] += accepted
+        return feed.estimates
+
+    for _ in range(8):
+        e = step(plain=True)  # plain (a penalised batch under --speculative-penalties exact)
+    assert reads == [3, 7]  # before the 4th and 8th steps, the agreeing ones
+    # The window closed at step 3 arrived at step 7: p = 0.5, the replay's estimate.
+    assert e.acceptance_source == "replay" and e.acceptance == pytest.approx(1.875)
+    for _ in range(8):
+        e = step(plain=False, accepted=2)  # speculating, 3 tokens per step
+    # At step 15 the window closed at step 11 arrives, older than the counters since
+    # (measured from step 11 on, once the settle steps have passed).
+    assert reads == [3, 7, 11, 15] and feed._fresh["replay"] == 11
+    assert e.acceptance_source == "counters" and e.acceptance == pytest.approx(3.0)
+
+
 def test_simulated_acceptance_is_the_plain_mode_estimate_and_named():
     feed = EstimateFeed(agree=lambda x: x, agree_every=1, simulated_acceptance=3.0, clock=FakeClock())
     e = feed.before_decode(4, 0, None)
@@ -418,7 +455,9 @@ class DecisionMachine(RuleBasedStateMachine):
         self.controller = ModeController(
             policy, feed=feed, catch_up_capacity=CAPACITY, start_timer=lambda: FakeTimer(self.clock)
         )
-        self.acceptance, self.bias = acceptance, bias
+        # The replay reads a chain's first step, which agrees at least as often as the
+        # chain goes on (bias <= 1): a chain of 3 drafts accepts at most 4 * bias then.
+        self.acceptance, self.bias = min(acceptance, 4.0 * bias), bias
         self.batch, self.context, self.prefill_every = batch, context, prefill_every
         self.requests: dict[int, list[float]] = {}
         self.next_rid = 0
@@ -442,7 +481,7 @@ class DecisionMachine(RuleBasedStateMachine):
 
     def _replay(self):
         positions = 1000
-        p = agreement_for(min(4.0, self.acceptance / self.bias))
+        p = agreement_for(self.acceptance / self.bias)
         self.controller.on_replay(round(p * positions), positions)
 
     def true_ratio(self) -> float:
@@ -497,7 +536,7 @@ class DecisionMachine(RuleBasedStateMachine):
 
     @rule(acceptance=st.floats(1.0, 4.0))
     def set_acceptance(self, acceptance):
-        self.acceptance, self.changed_at = acceptance, self.steps
+        self.acceptance, self.changed_at = min(acceptance, 4.0 * self.bias), self.steps
 
     @rule(every=st.sampled_from([None, 1, 2, 4, 8]))
     def set_prefill_rate(self, every):
