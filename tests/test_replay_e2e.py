@@ -9,12 +9,13 @@ turns the agreement share p into ``goodput.expected_accept_length(p, k)`` (the
   accept counters measure the accept length), then a wave above the hard bound
   (``--speculative-disable-batch-threshold 2``) decodes plain, with a flush every
   ``CATCH_UP`` positions, and the policy's estimate is the replay's. Observed on this
-  bed: both equal to the gauge's precision for the random pair (1.0, 1.0), the
-  agreeing pair (4.0, 4.0, three drafts) and the counting pair with one draft step
-  (2.0, 2.0). The counting pair with three draft steps is where the chain formula
-  overestimates: its draft is right at the first step only (the replay measures
-  the first step: p = 1, formula 4.0; counters 2.0); after one speculative phase
-  that follows a replay the policy's bias correction brings the replay to 2.0.
+  bed: both equal to the gauge's precision for the random pair (1.0, 1.0) and the
+  agreeing pair (4.0, 4.0, three drafts). By hand, the counting pair with one draft
+  step gave 2.0 and 2.0; with three draft steps the chain formula overestimates: its
+  draft is right at the first step only (the replay measures the first step: p = 1,
+  formula 4.0; counters 2.0), which the policy's bias correction learns after one
+  speculative phase that follows a replay (``tests/test_goodput.py``). The counting
+  pair is not run here (see ``PAIRS``).
 * **Speculation comes back from the replay alone**: the agreeing pair, first with a
   logit bias that makes the target pick another token (every draft rejected: the
   server goes plain), then without it (every draft right) while the
@@ -90,11 +91,13 @@ def speculate_then_replay(url: str, tokens_per_request: int, seed: int):
 # (estimates.EstimateFeed); this test reads the first plain phase, before that.
 # Request lengths keep the first phase under 48 decode steps even if the policy goes
 # plain at the first agreement (step 16): a replay closed at step 32 is read at 48.
+# The counting pair (by hand: 2.0 and 2.0 with one draft step; counters 2.0, replay
+# 4.0 with three) is left out: at one request its speculation does not pay on a CPU
+# (a speculative step costs about 4x a plain one there), so whether the counters ever
+# measure depends on the machine's load.
 PAIRS = [
     ("random", {}, 24, 1.0, 1.0),
     ("agree", {}, 80, 4.0, 4.0),
-    ("count", {"steps": 1, "topk": 1, "draft_tokens": 2}, 40, 2.0, 2.0),
-    ("count-3", {}, 40, 2.0, 4.0),
 ]
 
 
