@@ -831,3 +831,21 @@ def test_sweep_point_size_is_waves_of_the_concurrency_unless_given():
     assert [requests_for(c, None) for c in (1, 2, 64)] == [4, 4, 128]
     assert [requests_for(c, None, waves=1) for c in (1, 64)] == [4, 64]
     assert requests_for(64, 10, waves=3) == 10
+
+
+def test_decision_ratio_is_dynamic_over_the_better_server_per_row():
+    from sglang_dynspec.bench.plot import decision_ratios
+
+    def point(cfg, c, tok_s, row="r1"):
+        return {"kind": "sweep_point", "config": cfg, "concurrency": c, "output_tok_s": tok_s, "row": row}
+
+    points = [
+        *(point("baseline", 1, v) for v in (100, 100)),
+        *(point("eagle3", 1, v) for v in (190, 210)),
+        *(point("dynamic", 1, v) for v in (180, 200)),
+        point("baseline", 64, 800),
+        point("eagle3", 64, 500),
+        point("dynamic", 64, 776),
+        point("baseline", 4, 1, row="r2"),  # a row without all three configurations
+    ]
+    assert decision_ratios(points) == {"r1": {1: pytest.approx(0.95), 64: pytest.approx(0.97)}}

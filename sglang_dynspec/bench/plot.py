@@ -257,6 +257,52 @@ def plot_ramp(plt, recs: list[Record], title: str, path: str, dpi: int) -> None:
     plt.close(fig)
 
 
+DECISION_CONFIGS = ("baseline", "eagle3", "dynamic")
+
+
+def decision_ratios(points: Iterable[Record]) -> dict[str, dict[int, float]]:
+    """``{row: {C: dynamic / max(baseline, eagle3)}}`` (means over repeats) of the
+    records that carry all three configurations at a concurrency; rows by their ``row``
+    tag (the decision grid's), else by shape, prompt and acceptance."""
+    rows: dict[str, list[Record]] = OrderedDict()
+    for r in points:
+        label = r.get("row") or f"{r.get('shape')} p{r.get('prompt_len')} acc {r.get('acc_len')}"
+        rows.setdefault(str(label), []).append(r)
+    out: dict[str, dict[int, float]] = OrderedDict()
+    for label, pts in rows.items():
+        agg = aggregate(pts, "output_tok_s")
+        if not all(cfg in agg for cfg in DECISION_CONFIGS):
+            continue
+        common = set.intersection(*(set(agg[cfg]) for cfg in DECISION_CONFIGS))
+        best = {c: max(agg["baseline"][c][0], agg["eagle3"][c][0]) for c in common}
+        ratio = {c: agg["dynamic"][c][0] / best[c] for c in sorted(common) if best[c] > 0}
+        if ratio:
+            out[label] = ratio
+    return out
+
+
+def plot_decision(plt, points: list[Record], path: str, dpi: int) -> bool:
+    """EAGLE3_DYNAMIC over the better of the baseline and EAGLE-3, one line per row
+    (issue 17's target: 0.97 at every point). False if no row has all three."""
+    rows = decision_ratios(points)
+    if not rows:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, by_c in rows.items():
+        ax.plot(list(by_c), list(by_c.values()), marker="o", label=label)
+    ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
+    ax.axhline(0.97, color="gray", linewidth=1, linestyle=":", label="0.97")
+    _log2_axis(ax, [c for by_c in rows.values() for c in by_c])
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("dynamic / max(baseline, EAGLE-3), output tok/s")
+    ax.set_title("EAGLE3_DYNAMIC against the better server")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return True
+
+
 def run_plot(files: Sequence[str], out_dir: str, baseline: str = "baseline", dpi: int = 120) -> list[str]:
     """Write all figures for ``files`` into ``out_dir``; returns the paths."""
     records = load(files)
@@ -267,6 +313,9 @@ def run_plot(files: Sequence[str], out_dir: str, baseline: str = "baseline", dpi
     plt = _pyplot()
     os.makedirs(out_dir, exist_ok=True)
     written = plot_sweeps(plt, points, out_dir, baseline, dpi) if points else []
+    decision = os.path.join(out_dir, "decision_ratio.png")
+    if points and plot_decision(plt, points, decision, dpi):
+        written.append(decision)
 
     per_config: dict[str, int] = defaultdict(int)
     for cfg, _run in runs:
