@@ -27,7 +27,9 @@ turns the agreement share p into ``goodput.expected_accept_length(p, k)`` (the
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
+import time
 
 import pytest
 
@@ -72,14 +74,25 @@ def speculate_then_replay(url: str, tokens_per_request: int, seed: int):
     """One request (the policy speculates from the start, acceptance unknown, if the
     most a step can accept would pay; the counters measure by the first agreement, and
     no replay reaches the policy within 48 decode steps), then the plain wave (the
-    estimate is the replay's). Returns both snapshots. Load-sensitive: if the start-up
-    table says even full acceptance does not pay at one request, nothing speculates
-    and the counters never measure (seen for the counting pair on a loaded machine)."""
+    estimate is the replay's). Returns the snapshot after the request and the last one
+    taken while the wave decoded plain on the replay's estimate (polled: as the wave
+    drains below the bound the policy may rightly speculate again, and the counters
+    then take over), or the snapshot after the wave if none was. Load-sensitive: if
+    the start-up table says even full acceptance does not pay at one request, nothing
+    speculates and the counters never measure (seen for the counting pair on a loaded
+    machine)."""
     run_waves(url, one_request(seed, tokens_per_request))
     counted = plugin_counters(url)
-    run_waves(url, PLAIN_WAVE)
-    replayed = plugin_counters(url)
-    return counted, replayed
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        wave = pool.submit(run_waves, url, PLAIN_WAVE)
+        replayed = None
+        while not wave.done():
+            snapshot = plugin_counters(url)
+            if snapshot.mode == 0 and snapshot.acceptance_source == "replay":
+                replayed = snapshot
+            time.sleep(0.2)
+        wave.result()
+    return counted, replayed or plugin_counters(url)
 
 
 # (pair, chain as speculative_server_args takes it, request length, accept length the

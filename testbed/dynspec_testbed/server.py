@@ -36,6 +36,7 @@ import httpx
 
 from dynspec_testbed.plugin import OVERLAP_ENV
 from dynspec_testbed.serve import MODULE, server_environment
+from sglang_dynspec.config import COST_CACHE_ENV
 
 HOST = "127.0.0.1"
 LOG_TAIL_LINES = 60
@@ -66,7 +67,9 @@ class CpuServer:
         server_args: SGLang server arguments (``--model-path`` etc.); the CPU
             defaults of ``serve.py`` apply. ``--host`` / ``--port`` are chosen here.
         log_path: file that receives the server's stdout and stderr.
-        env: extra environment variables (e.g. ``SGLANG_DYNSPEC_TESTBED_OVERLAP``).
+        env: extra environment variables (e.g. ``SGLANG_DYNSPEC_TESTBED_OVERLAP``). The
+            plugin's step-cost cache is off unless this or the caller's environment
+            names one (``SGLANG_DYNSPEC_COST_CACHE``).
         startup_timeout: seconds to wait for ``/health_generate``.
         stop_timeout: seconds to wait after SIGTERM before SIGKILL.
     """
@@ -88,7 +91,10 @@ class CpuServer:
         self.url = f"http://{HOST}:{self.port}"
         self.log_path = Path(log_path)
         self.command = [sys.executable, "-m", MODULE, *args, "--host", HOST, "--port", str(self.port)]
-        self._env = server_environment({**os.environ, **(env or {})})
+        # Each server times its own step costs unless the caller names a cache: a table
+        # cached by an earlier server (another test, another run, timed under other
+        # load) would carry that server's timing into this one.
+        self._env = server_environment({COST_CACHE_ENV: "off", **os.environ, **(env or {})})
         self._startup_timeout = startup_timeout
         self._stop_timeout = stop_timeout
         self._process: subprocess.Popen | None = None
