@@ -37,13 +37,19 @@ pytestmark = pytest.mark.server
 WAVES = waves_of([1, 6, 1, 6, 2, 8], seed=51, prefix="tp", new_tokens=(12, 32))
 
 
-def test_two_ranks_switch_both_ways_and_match_the_baseline(tiny_models, tmp_path):
-    reference = serve(
-        baseline_server_args(tiny_models, extra=["--tp-size", 2]),
-        lambda url: run_waves(url, WAVES),
+def two_rank_reference(models, waves, tmp_path) -> dict:
+    """The non-speculative server's outputs for ``waves``, with two ranks too (the same
+    split matmuls and all-reduce as the server compared with it)."""
+    return serve(
+        baseline_server_args(models, extra=["--tp-size", 2]),
+        lambda url: run_waves(url, waves),
         log_path=tmp_path / "reference.log",
         env=TWO_RANK_CI_ENV,
     )
+
+
+def test_two_ranks_switch_both_ways_and_match_the_baseline(tiny_models, tmp_path):
+    reference = two_rank_reference(tiny_models, WAVES, tmp_path)
 
     args = dynamic_server_args(
         tiny_models, extra=["--tp-size", 2, "--speculative-catch-up-tokens", 8, "--enable-metrics"]
@@ -68,12 +74,7 @@ GOODPUT_WAVES = waves_of([1, 4, 1, 4], seed=52, prefix="tp-gp", new_tokens=(24, 
 def test_two_ranks_with_the_goodput_policy_decide_alike_and_a_restart_reads_the_cached_table(
     tiny_models, tmp_path
 ):
-    reference = serve(
-        baseline_server_args(tiny_models, extra=["--tp-size", 2]),
-        lambda url: run_waves(url, GOODPUT_WAVES),
-        log_path=tmp_path / "reference.log",
-        env=TWO_RANK_CI_ENV,
-    )
+    reference = two_rank_reference(tiny_models, GOODPUT_WAVES, tmp_path)
     # No policy flag: goodput is the default. The random draft is rejected (about one
     # token per speculative step), so once the counters have measured it, it goes plain.
     args = dynamic_server_args(
