@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -129,11 +130,19 @@ class CostCorrections:
     (events, read once completed); ``host``: the host time between consecutive decode
     step starts of the same mode (no other step between) over the same prediction. The
     decision uses the larger of the two: a step cannot go faster than the host issues it.
+
+    A bucket's correction starts as the median of its first ``first_samples`` ratios,
+    not its first one: on the H200 the first plain steps at batch 128, right after 80
+    requests were admitted, read 2x the table (clipped), the policy resumed speculation
+    at R = 1.51 where the table gave 0.76, and switched back 55 steps later
+    (benchmarks/results/h200-decision-20261202-81b196c/README.md).
     """
 
     alpha: float = 0.1
+    first_samples: int = 3
     device: dict[tuple[Mode, int], float] = field(default_factory=dict)
     host: dict[tuple[Mode, int], float] = field(default_factory=dict)
+    _first: dict[tuple[str, Mode, int], list[float]] = field(default_factory=dict, repr=False)
 
     def observe(self, kind: str, mode: Mode, batch_size: int, measured: float, predicted: float) -> None:
         if not (measured > 0 and predicted > 0 and math.isfinite(measured)):
@@ -141,11 +150,15 @@ class CostCorrections:
         table = self.device if kind == "device" else self.host
         key, ratio = (mode, bucket_of(batch_size)), measured / predicted
         old = table.get(key)
-        # One sample moves the average by at most a factor of 2 before averaging (the
-        # first one from the table's 1): a step stalled by something else (a compile,
-        # another process) is not a cost change.
+        # One sample moves the average by at most a factor of 2 before averaging, and
+        # the first ones start it at most 2x from the table's 1: a step stalled by
+        # something else (a compile, another process, an admission) is not a cost change.
         if old is None:
-            table[key] = min(max(ratio, 0.5), 2.0)
+            first = self._first.setdefault((kind, *key), [])
+            first.append(ratio)
+            if len(first) >= self.first_samples:
+                table[key] = min(max(statistics.median(first), 0.5), 2.0)
+                del self._first[(kind, *key)]
             return
         ratio = min(max(ratio, old / 2), old * 2)
         table[key] = old + self.alpha * (ratio - old)

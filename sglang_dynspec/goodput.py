@@ -155,7 +155,10 @@ class GoodputPolicy(ModePolicy):
         known = est.acceptance is not None
         a = est.acceptance if known else s.max_acceptance
         ratio = self.last_ratio = a * t_plain / t_spec
-        what = f"R = {ratio:.2f} at batch {batch_size}, context {context_len:.0f}" + (
+        what = (
+            f"R = {ratio:.2f} at batch {batch_size}, context {context_len:.0f}, "
+            f"step {t_spec * 1e3:.2f} ms spec / {t_plain * 1e3:.2f} ms plain"
+        ) + (
             f" (acceptance {a:.2f}, {est.acceptance_source})"
             if known
             else " (acceptance not measured yet: the most a step can accept)"

@@ -95,7 +95,7 @@ def test_table_round_trips_through_rows_and_refuses_bad_points():
 
 def test_corrections_scale_the_table_and_the_host_bounds_the_step():
     table = measured_table(linear_costs())
-    c = CostCorrections(alpha=1.0)
+    c = CostCorrections(alpha=1.0, first_samples=1)
     predicted = table.seconds(S, 32, 1024)
     c.observe("device", S, 32, 2 * predicted, predicted)
     model = CostModel.with_snapshot(table, c.snapshot())
@@ -346,14 +346,57 @@ def test_a_table_cut_short_by_the_budget_is_cached_and_a_restart_reads_it(tmp_pa
 
 
 def test_one_stalled_step_moves_a_correction_by_at_most_a_factor_of_two():
-    c = CostCorrections(alpha=1.0)
+    c = CostCorrections(alpha=1.0, first_samples=1)
     c.observe("device", S, 8, 1.0, 1.0)
     c.observe("device", S, 8, 100.0, 1.0)
     assert c.device[(S, bucket_of(8))] == 2.0
-    # The first sample too, from the table's 1.
+    # The first samples too, from the table's 1.
     c.observe("host", S, 64, 5.0, 1.0)
     c.observe("host", P, 64, 0.1, 1.0)
     assert c.host[(S, bucket_of(64))] == 2.0 and c.host[(P, bucket_of(64))] == 0.5
+
+
+def test_a_bucket_starts_from_the_median_of_its_first_samples():
+    c = CostCorrections(alpha=1.0)
+    c.observe("device", P, 128, 2.5, 1.0)  # the first step after an admission: stalled
+    assert (P, bucket_of(128)) not in c.device  # one sample does not move the table yet
+    c.observe("device", P, 128, 1.1, 1.0)
+    c.observe("device", P, 128, 0.9, 1.0)
+    assert c.device[(P, bucket_of(128))] == pytest.approx(1.1)
+    c.observe("host", S, 4, 3.0, 1.0)  # kinds and modes are separate buckets
+    assert c.host == {} and c.device.keys() == {(P, bucket_of(128))}
+    for ratio in (4.0, 5.0, 6.0):  # a table off by more than 2x starts at 2x and moves on
+        c.observe("host", P, 4, ratio, 1.0)
+    assert c.host[(P, bucket_of(4))] == 2.0
+
+
+def test_a_stalled_first_plain_step_does_not_bring_speculation_back():
+    """H200, acceptance 4.0, C=128 (benchmarks/results/h200-decision-20261202-81b196c/):
+    the first plain step at batch 128, right after 80 admissions, read 2x the table;
+    as the bucket's only sample it doubled plain's cost, R went 0.76 -> 1.51 and the
+    policy resumed for 55 steps at batch 128, where speculation costs a quarter."""
+    clock, table = FakeClock(), measured_table(linear_costs())
+    t_spec, t_plain = table.seconds(S, 128, 256), table.seconds(P, 128, 256)
+    acceptance = 0.76 * t_spec / t_plain
+    feed = EstimateFeed(
+        agree=lambda x: x, agree_every=16, clock=clock, table=table, simulated_acceptance=acceptance
+    )
+    controller = ModeController(
+        GoodputPolicy(GoodputSettings()), feed=feed, start_timer=lambda: FakeTimer(clock)
+    )
+    # Speculating at batch 8 (it pays there), then 120 admitted three decode steps
+    # before the inputs are next agreed (every 16 steps), as on the H200.
+    first = 45
+    modes = []
+    for i in range(first + 64):
+        batch = 8 if i < first else 128
+        if i == first:
+            controller.on_other_step()  # the admissions' prefill
+        mode = controller.before_decode(batch, context_len=256)
+        modes.append(mode)
+        clock.now += table.seconds(mode, batch, 256) * (2.5 if i == first else 1.0)
+        controller.after_decode(mode)
+    assert set(modes[:first]) == {S} and set(modes[first:]) == {P}, modes
 
 
 def test_a_catch_up_step_and_the_next_are_not_host_step_times():
@@ -363,11 +406,12 @@ def test_a_catch_up_step_and_the_next_are_not_host_step_times():
     feed = EstimateFeed(
         agree=lambda x: x, agree_every=1000, clock=clock, table=measured_table(linear_costs())
     )
+    feed.corrections = CostCorrections(first_samples=1)  # every sample counts at once
     step = linear_costs()(S, 8, 256)
     controller = ModeController(
         GoodputPolicy(GoodputSettings(min_dwell_steps=1)), feed=feed, start_timer=lambda: FakeTimer(clock)
     )
-    for i in range(6):
+    for i in range(8):
         controller.before_decode(8, context_len=256)
         if i == 1:
             controller.on_catch_up("resume", 8, 8 * 64, FakeTimer(clock))
