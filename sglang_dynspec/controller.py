@@ -155,6 +155,7 @@ class ModeController:
                 self.policy.update(estimates)
                 for sink in self._sinks:
                     sink.on_estimates(estimates, batch_size, context_len)
+                    sink.on_realized(self._feed.realized)
         if self.exact_penalties and needs_per_token_penalties:
             for sink in self._sinks:
                 sink.on_penalty_plain_step()

@@ -23,6 +23,9 @@
   (benchmarks only) the counters show the simulated value; the plain-mode estimate
   takes the simulated value and the start-up log says so.
 * **Catch-up cost**: device seconds per replayed position of the catch-ups so far.
+* **Realized tokens/s per mode** (telemetry only, never a decision input): output tokens
+  over host seconds of the decode steps timed as above in the last ``agree_every`` steps
+  (a plain step gives one token per request; a speculative one what the counters count).
 
 Rank-local values (device and host times, replay shares, catch-up times) reach the
 policy only through ``agree`` (the first rank's values handed to every rank), every
@@ -91,6 +94,10 @@ class EstimateFeed:
         self._phase_start = 0  # decode step at which the current mode began
         self._steps = 0
         self.estimates = Estimates()
+        # Realized output tokens/s per mode (telemetry, rank-local): tokens and host seconds
+        # of the decode steps timed since the last agreement, and the last window's rate.
+        self._window = {mode: [0, 0.0] for mode in Mode}
+        self.realized: dict[Mode, float | None] = dict.fromkeys(Mode)
 
     # -------------------------------------------------------------- rank-local inputs
     def set_table(self, table: StepCostTable) -> None:
@@ -147,18 +154,28 @@ class EstimateFeed:
         """Called before each decode step's decision; returns new agreed estimates every
         ``agree_every`` steps (the same steps on every rank), else None."""
         now = self._clock()
-        if self._last is not None and self._run >= 2 and self.table is not None:
+        interval = None  # (mode, batch size, host seconds) of the step just run, if it was timed
+        if self._last is not None and self._run >= 2:
             start, mode, size, ctx = self._last
-            predicted = self.table.seconds(mode, size, ctx)
+            interval = (mode, size, now - start)
+            predicted = self.table.seconds(mode, size, ctx) if self.table is not None else None
             if predicted:
                 self.corrections.observe("host", mode, size, now - start, predicted)
+        tokens = None  # output tokens of a speculative step: verified requests + accepted drafts
         if counters is not None and self._mode is Mode.SPEC and self._mode_run > SETTLE_STEPS:
-            self._observe(counters())
+            tokens = self._observe(counters())
         else:
             self._counters.clear()  # deltas across plain steps would count them as rejections
+        if interval is not None:
+            mode, size, seconds = interval
+            self._count_realized(mode, size if mode is Mode.PLAIN else tokens, seconds)
         self._steps += 1
         if self._steps % self._agree_every:
             return None
+        for mode, (count, seconds) in self._window.items():
+            if seconds > 0:
+                self.realized[mode] = count / seconds
+            self._window[mode] = [0, 0.0]
         agreed = self._agree(
             {
                 "corrections": self.corrections.snapshot(),
@@ -182,7 +199,15 @@ class EstimateFeed:
         self._last = (self._clock(), mode, batch_size, context_len)
 
     # ----------------------------------------------------------------------- helpers
-    def _observe(self, counters: AcceptCounters) -> None:
+    def _count_realized(self, mode: Mode, tokens: int | None, seconds: float) -> None:
+        if tokens is not None and seconds > 0 and math.isfinite(seconds):
+            self._window[mode][0] += tokens
+            self._window[mode][1] += seconds
+
+    def _observe(self, counters: AcceptCounters) -> int | None:
+        """Folds the counters' increase into the acceptance; returns the output tokens
+        it counts (each verify gives one token plus its accepted drafts), None if the
+        counters did not move (no request seen before, nothing verified since)."""
         correct = verify = 0
         seen = {}
         for rid, c, v in counters:
@@ -197,6 +222,8 @@ class EstimateFeed:
                 self._counter_acceptance.value = None  # a new speculative phase: start afresh
             self._counter_acceptance.add(1.0 + correct / verify)
             self._fresh["counters"] = self._steps
+            return verify + correct
+        return None
 
     def replay_acceptance(self, agreement: float | None) -> float | None:
         """The expected accept length the replay's agreement share predicts, bias-corrected."""

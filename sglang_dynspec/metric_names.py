@@ -22,6 +22,7 @@ RESUME_REQUESTS_COUNTER = "sglang:spec_dynamic_resume_requests"
 # The goodput policy's agreed estimates (gauges, updated at each agreement).
 ACCEPTANCE_GAUGE = "sglang:spec_dynamic_acceptance"  # label "source": measured / simulated / none
 PREDICTED_GAUGE = "sglang:spec_dynamic_predicted_tokens_per_second"  # label "mode", at the current batch
+REALIZED_GAUGE = "sglang:spec_dynamic_realized_tokens_per_second"  # label "mode", last window
 # The step costs timed at start-up; labels "mode", "batch_size", "context_len".
 STEP_SECONDS_GAUGE = "sglang:spec_dynamic_step_seconds"
 # Measured / start-up step time, per mode and batch-size bucket; labels "mode", "kind"
@@ -78,6 +79,11 @@ HELP = {
     PREDICTED_GAUGE: (
         "EAGLE3_DYNAMIC goodput policy: predicted output tokens/s of each mode at the decode batch "
         "size of the last estimate."
+    ),
+    REALIZED_GAUGE: (
+        "EAGLE3_DYNAMIC goodput policy: output tokens/s measured in each mode over its last 16 "
+        "decode steps (host time of decode steps run back to back, nothing between; speculative "
+        "tokens from the accept counters). NaN until the mode has run."
     ),
     PROBE_STEPS_COUNTER: (
         "EAGLE3_DYNAMIC goodput policy: decode steps run in a mode only to measure it (probes), "

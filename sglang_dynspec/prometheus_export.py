@@ -95,6 +95,7 @@ class PrometheusExport(TelemetrySink):
         self._probe_steps = {m: probes.labels(**labels, mode=m.value) for m in Mode}
         self._acceptance = gauge(names.ACCEPTANCE_GAUGE, ["source"])
         self._predicted = gauge(names.PREDICTED_GAUGE, ["mode"])
+        self._realized = gauge(names.REALIZED_GAUGE, ["mode"])
         self._step_seconds = gauge(names.STEP_SECONDS_GAUGE, ["mode", "batch_size", "context_len"])
         self._corrections = gauge(names.STEP_COST_CORRECTION_GAUGE, ["mode", "kind", "batch_max"])
         self._mode.set(1)
@@ -146,6 +147,11 @@ class PrometheusExport(TelemetrySink):
                     self._corrections.labels(
                         **self._labels, mode=mode.value, kind=kind, batch_max=str(BUCKET_EDGES[bucket])
                     ).set(ratio)
+
+    def on_realized(self, tokens_per_second: Mapping[Mode, float | None]) -> None:
+        for mode in Mode:
+            rate = tokens_per_second.get(mode)
+            self._realized.labels(**self._labels, mode=mode.value).set(float("nan") if rate is None else rate)
 
     def on_cost_table(self, table) -> None:
         for p in table.points:

@@ -46,6 +46,10 @@ class TelemetrySink:
         """The goodput policy got new agreed estimates (``goodput.Estimates``) at a decode
         step of ``batch_size`` requests of mean context ``context_len``."""
 
+    def on_realized(self, tokens_per_second: Mapping[Mode, float | None]) -> None:
+        """Output tokens/s measured in each mode over the goodput policy's last agreement
+        window (``estimates.EstimateFeed.realized``; None: not measured yet)."""
+
     def on_cost_table(self, table) -> None:
         """The step costs timed at start-up (``cost_model.StepCostTable``)."""
 

@@ -45,6 +45,7 @@ from sglang_dynspec.goodput import (
     expected_accept_length,
 )
 from sglang_dynspec.policy import Mode
+from sglang_dynspec.telemetry import TelemetrySink
 
 S, P = Mode.SPEC, Mode.PLAIN
 SIZES, CONTEXTS = (1, 4, 16, 32, 64, 128), (128, 1024, 4096)
@@ -218,6 +219,30 @@ def test_feed_measures_acceptance_from_counters_despite_prefills_between_steps()
     assert got == pytest.approx(3.0) and feed.estimates.acceptance_source == "counters"
 
 
+def test_feed_reports_realized_tokens_per_second_per_mode_over_its_last_window():
+    clock = FakeClock()
+    feed = EstimateFeed(agree=lambda x: x, agree_every=16, clock=clock, table=measured_table(linear_costs()))
+    counters = {rid: [0, 0] for rid in range(8)}
+    read = lambda: [(rid, c, v) for rid, (c, v) in counters.items()]  # noqa: E731
+    assert feed.realized == {S: None, P: None}
+    for i in range(32):  # 8 requests: speculating at 8 ms a step, 3 tokens a request, then plain at 4 ms
+        mode = S if i < 16 else P
+        feed.before_decode(8, 256, read)
+        feed.after_decision(mode, 8, 256)
+        if mode is S:
+            for c in counters.values():
+                c[0] += 2
+                c[1] += 1
+        if i == 20:
+            feed.on_other_step()  # a prefill: the time since the last decode step is not a step's
+            clock.now += 1.0
+        clock.now += 0.008 if mode is S else 0.004
+        if i == 15:
+            assert feed.realized[S] == pytest.approx(8 * 3 / 0.008) and feed.realized[P] is None
+    feed.before_decode(8, 256, read)  # the 33rd step closes the second window
+    assert feed.realized[S] == pytest.approx(3000) and feed.realized[P] == pytest.approx(8 / 0.004)
+
+
 def test_feed_corrects_costs_from_device_times_and_agrees_every_n_steps():
     table = measured_table(linear_costs())
     sent = []
@@ -381,8 +406,14 @@ def test_a_stalled_first_plain_step_does_not_bring_speculation_back():
     feed = EstimateFeed(
         agree=lambda x: x, agree_every=16, clock=clock, table=table, simulated_acceptance=acceptance
     )
+    realized = []  # what the telemetry sinks get at each agreement
+
+    class Sink(TelemetrySink):
+        def on_realized(self, tokens_per_second):
+            realized.append(dict(tokens_per_second))
+
     controller = ModeController(
-        GoodputPolicy(GoodputSettings()), feed=feed, start_timer=lambda: FakeTimer(clock)
+        GoodputPolicy(GoodputSettings()), [Sink()], feed=feed, start_timer=lambda: FakeTimer(clock)
     )
     # Speculating at batch 8 (it pays there), then 120 admitted three decode steps
     # before the inputs are next agreed (every 16 steps), as on the H200.
@@ -397,6 +428,8 @@ def test_a_stalled_first_plain_step_does_not_bring_speculation_back():
         clock.now += table.seconds(mode, batch, 256) * (2.5 if i == first else 1.0)
         controller.after_decode(mode)
     assert set(modes[:first]) == {S} and set(modes[first:]) == {P}, modes
+    assert len(realized) == len(modes) // 16 and realized[0][P] is None  # spec: no counters here
+    assert realized[-1][P] == pytest.approx(128 / t_plain)
 
 
 def test_a_catch_up_step_and_the_next_are_not_host_step_times():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import torch
 from controller_steps import drive as drive_steps
@@ -110,6 +111,20 @@ def test_prometheus_series_follow_the_steps():
     assert value(names.CATCH_UP_SECONDS + "_sum") == 1.0
     assert value(names.total(names.RESUME_ACCEPTED_COUNTER)) == 1
     assert value(names.total(names.RESUME_REQUESTS_COUNTER)) == 1
+
+
+def test_realized_tokens_per_second_reach_the_gauge_nan_until_a_mode_has_run():
+    labels = {"model_name": "test-model"}
+    registry = CollectorRegistry()
+    export = PrometheusExport(labels, registry)
+    export.on_realized({Mode.SPEC: 3000.0, Mode.PLAIN: None})
+
+    def value(mode):
+        return registry.get_sample_value(names.REALIZED_GAUGE, {**labels, "mode": mode})
+
+    assert value("spec") == 3000.0 and math.isnan(value("plain"))
+    export.on_realized({Mode.SPEC: 2500.0, Mode.PLAIN: 2000.0})
+    assert (value("spec"), value("plain")) == (2500.0, 2000.0)
 
 
 def test_a_required_plain_step_leaves_the_policy_as_it_was():
