@@ -97,7 +97,7 @@ def _goodput_policy(settings: Settings, max_acceptance: float) -> ModePolicy:
     return GoodputPolicy(
         GoodputSettings(
             min_dwell_steps=max(1, settings.thresholds.min_dwell_steps),
-            max_spec_batch=settings.speculation_bound,
+            speculation_bound=settings.speculation_bound,
             max_acceptance=max(1.0, max_acceptance),
         )
     )

@@ -71,7 +71,7 @@ def expected_accept_length(agreement: float, draft_steps: int) -> float:
 class GoodputSettings:
     margin: float = 0.02  # hysteresis on R around 1
     min_dwell_steps: int = 8  # fewest decode steps between two switches; D above
-    max_spec_batch: int | None = None  # hard bound: never speculate above it (None: no bound)
+    speculation_bound: int | None = None  # hard bound: never speculate above it (None: no bound)
     max_acceptance: float = 4.0  # the most one speculative step can give (num_draft_tokens)
 
     def __post_init__(self) -> None:
@@ -79,8 +79,8 @@ class GoodputSettings:
             raise ValueError(f"margin must be in [0, 1), got {self.margin}")
         if self.min_dwell_steps < 1:
             raise ValueError(f"min_dwell_steps must be >= 1, got {self.min_dwell_steps}")
-        if self.max_spec_batch is not None and self.max_spec_batch < 1:
-            raise ValueError(f"max_spec_batch must be >= 1, got {self.max_spec_batch}")
+        if self.speculation_bound is not None and self.speculation_bound < 1:
+            raise ValueError(f"speculation_bound must be >= 1, got {self.speculation_bound}")
         if not self.max_acceptance >= 1:
             raise ValueError(f"max_acceptance must be >= 1, got {self.max_acceptance}")
 
@@ -145,8 +145,8 @@ class GoodputPolicy(ModePolicy):
 
     def _wanted(self, batch_size: int, context_len: float, catch_up_tokens: int) -> tuple[Mode, str]:
         s, est = self.settings, self.estimates
-        if s.max_spec_batch is not None and batch_size > s.max_spec_batch:
-            return Mode.PLAIN, f"batch {batch_size} above the speculation bound {s.max_spec_batch}"
+        if s.speculation_bound is not None and batch_size > s.speculation_bound:
+            return Mode.PLAIN, f"batch {batch_size} above the speculation bound {s.speculation_bound}"
         t_spec = est.step_seconds(Mode.SPEC, batch_size, context_len)
         t_plain = est.step_seconds(Mode.PLAIN, batch_size, context_len)
         if not t_spec or not t_plain:
@@ -185,7 +185,7 @@ class GoodputPolicy(ModePolicy):
 
     def describe(self) -> str:
         s = self.settings
-        bound = "" if s.max_spec_batch is None else f", never above {s.max_spec_batch} running requests"
+        bound = "" if s.speculation_bound is None else f", never above {s.speculation_bound} running requests"
         return (
             f"goodput policy: speculate while predicted tokens/s beat plain decode by {s.margin:.0%} "
             f"(step costs timed at start-up and corrected online; acceptance from the accept counters "

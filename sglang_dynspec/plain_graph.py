@@ -23,7 +23,7 @@ logger = logging.getLogger("sglang_dynspec")
 
 
 @dataclass(frozen=True)
-class PlainDecodeGraph:
+class PlainGraph:
     """A plain DECODE CUDA graph runner for the target, with its own attention backend."""
 
     runner: object  # a DecodeCudaGraphRunner (subclass)
@@ -62,7 +62,7 @@ def _full_hidden_runner_class(base: type) -> type:
     )
 
 
-def capture_plain_decode_graph(model_runner, capture_hidden: bool = True) -> PlainDecodeGraph | None:
+def capture_plain_graph(model_runner, capture_hidden: bool = True) -> PlainGraph | None:
     """Capture the plain decode graph; None when the target runs without CUDA decode graphs.
 
     Captured after the verify graph, while the model runner briefly reports no
@@ -101,7 +101,7 @@ def capture_plain_decode_graph(model_runner, capture_hidden: bool = True) -> Pla
     finally:
         model_runner.spec_algorithm = saved_algorithm
     free_after = torch.cuda.mem_get_info()[0]
-    graph = PlainDecodeGraph(runner, attn_backend, max(0, free_before - free_after))
+    graph = PlainGraph(runner, attn_backend, max(0, free_before - free_after))
     logger.info(
         "[sglang-dynspec] captured a plain DECODE CUDA graph for the target (batch sizes up to %s, %.0f MiB)",
         graph.max_batch_size,
@@ -111,7 +111,7 @@ def capture_plain_decode_graph(model_runner, capture_hidden: bool = True) -> Pla
 
 
 @contextlib.contextmanager
-def plain_decode_graphs(model_runner, plain_graph: PlainDecodeGraph | None) -> Iterator[None]:
+def using_plain_graph(model_runner, plain_graph: PlainGraph | None) -> Iterator[None]:
     """Route the target's decode forward away from its TARGET_VERIFY CUDA graph.
 
     For one forward, the plain graph and its backend are swapped in (or no graph:
@@ -144,9 +144,9 @@ class PlainGraphKeeper:
     ``weight_updater`` is wrapped (:class:`_WeightUpdateWatch`) to see the updates.
     """
 
-    def __init__(self, model_runner, capture_hidden: bool, capture=capture_plain_decode_graph):
+    def __init__(self, model_runner, capture_hidden: bool, capture=capture_plain_graph):
         self._runner, self._capture_hidden, self._capture = model_runner, capture_hidden, capture
-        self.graph: PlainDecodeGraph | None = capture(model_runner, capture_hidden=capture_hidden)
+        self.graph: PlainGraph | None = capture(model_runner, capture_hidden=capture_hidden)
         self.weight_updates = 0
         if self.graph is not None:
             model_runner.weight_updater = _WeightUpdateWatch(model_runner.weight_updater, self._after_update)

@@ -29,7 +29,7 @@ import torch
 
 from sglang_dynspec import compat
 from sglang_dynspec.fresh_batch import build_plain_decode_batch
-from sglang_dynspec.plain_graph import PlainDecodeGraph, plain_decode_graphs
+from sglang_dynspec.plain_graph import PlainGraph, using_plain_graph
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class PlainStep:
 def run_plain_decode(
     spec_worker,
     batch,
-    plain_graph: PlainDecodeGraph | None = None,
+    plain_graph: PlainGraph | None = None,
     grammar_barrier=None,
     capture_hidden: bool = False,
 ) -> PlainStep:
@@ -58,7 +58,7 @@ def run_plain_decode(
     if batch.has_grammar and grammar_barrier is not None:
         grammar_barrier()
     target_worker = spec_worker.target_worker
-    with plain_decode_graphs(target_worker.model_runner, plain_graph):
+    with using_plain_graph(target_worker.model_runner, plain_graph):
         result, aux_hidden = compat.run_target_decode(
             target_worker, plain, batch.spec_info, capture_hidden=capture_hidden
         )

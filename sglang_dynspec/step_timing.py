@@ -309,7 +309,7 @@ def measure_step_costs(
     until ``budget_seconds`` is spent (None: ``SGLANG_DYNSPEC_CALIBRATE_SECONDS``, else
     15 s; the first rank's clock decides); return the samples measured (two per point).
 
-    ``plain_graph``: the plain decode graph (``PlainDecodeGraph``) the plain steps
+    ``plain_graph``: the plain decode graph (``PlainGraph``) the plain steps
     replay, or None (eager, as the worker runs them then). Batch sizes beyond the
     request pool, the max running requests or the largest captured decode graph are
     left out, and contexts are capped at the model's (:class:`StepLimits`): such steps

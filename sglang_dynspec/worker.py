@@ -49,7 +49,7 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
             device=str(self.device),
         )
         self.catch_up = NoCatchUp()  # allocated in init_cuda_graphs, once the KV pools exist
-        self.plain_graphs = None  # PlainGraphKeeper, from init_cuda_graphs; None: eager plain steps
+        self.plain_graph_keeper = None  # PlainGraphKeeper, from init_cuda_graphs; None: eager plain steps
         self._last_step_plain = False
         if first_rank:
             logger.info(
@@ -103,7 +103,7 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
         super().init_cuda_graphs()
         compat.keep_draft_graphs_on_recapture(self)
         if self.settings.plain_cuda_graph:
-            self.plain_graphs = PlainGraphKeeper(
+            self.plain_graph_keeper = PlainGraphKeeper(
                 self.target_worker.model_runner, capture_hidden=self.catch_up.enabled
             )
         self._time_step_costs()
@@ -117,7 +117,7 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
         wanted = self.controller.policy.needs_estimates or config.env_bool(step_timing.CALIBRATE_ENV, False)
         if not compat.agree_across_tensor_parallel_ranks(wanted):
             return
-        graph = self.plain_graphs.graph if self.plain_graphs is not None else None
+        graph = self.plain_graph_keeper.graph if self.plain_graph_keeper is not None else None
         grid = step_timing.default_grid(self, graph)
         key = compat.step_cost_key(self, grid)
 
@@ -160,7 +160,7 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
         self._last_step_plain = mode is Mode.PLAIN
         if mode is Mode.PLAIN:
             self.catch_up.before_plain_step(batch)
-            graph = self.plain_graphs.graph if self.plain_graphs is not None else None
+            graph = self.plain_graph_keeper.graph if self.plain_graph_keeper is not None else None
             step = run_plain_decode(self, batch, graph, grammar_barrier, capture_hidden=self.catch_up.enabled)
             self.catch_up.after_plain_step(step.input_ids, step.aux_hidden)
             out = step.result

@@ -165,7 +165,7 @@ def test_resume_must_pay_for_the_catch_up():
 
 
 def test_hard_bound_never_speculates_above_it():
-    p = GoodputPolicy(GoodputSettings(min_dwell_steps=1, max_spec_batch=8))
+    p = GoodputPolicy(GoodputSettings(min_dwell_steps=1, speculation_bound=8))
     p.update(est(acceptance=5.0))
     assert p.decide(9, 0) is P and "bound 8" in p.last_reason
     assert p.decide(8, 0) is S
@@ -177,7 +177,7 @@ def test_without_step_costs_it_keeps_its_mode():
 
 
 @pytest.mark.parametrize(
-    "kwargs", [dict(margin=1.0), dict(min_dwell_steps=0), dict(max_spec_batch=0), dict(max_acceptance=0.5)]
+    "kwargs", [dict(margin=1.0), dict(min_dwell_steps=0), dict(speculation_bound=0), dict(max_acceptance=0.5)]
 )
 def test_settings_reject_bad_values(kwargs):
     with pytest.raises(ValueError):

@@ -14,7 +14,7 @@ import torch
 
 from sglang_dynspec import compat
 from sglang_dynspec.compat import spec_shaped_result
-from sglang_dynspec.plain_graph import PlainDecodeGraph, plain_decode_graphs
+from sglang_dynspec.plain_graph import PlainGraph, using_plain_graph
 
 
 def fake_runner():
@@ -27,9 +27,9 @@ def fake_runner():
 
 def test_graph_swap_uses_the_plain_graph_and_restores_on_error():
     runner = fake_runner()
-    plain = PlainDecodeGraph(runner="plain-graph", attn_backend="plain-backend", memory_bytes=0)
+    plain = PlainGraph(runner="plain-graph", attn_backend="plain-backend", memory_bytes=0)
     with pytest.raises(RuntimeError):
-        with plain_decode_graphs(runner, plain):
+        with using_plain_graph(runner, plain):
             assert (runner.decode_cuda_graph_runner, runner.attn_backend) == ("plain-graph", "plain-backend")
             # a stale read-done event would let the WAR barrier pass too early
             assert getattr(runner, compat.READ_DONE_EVENT) is None
@@ -39,7 +39,7 @@ def test_graph_swap_uses_the_plain_graph_and_restores_on_error():
 
 def test_without_a_plain_graph_the_forward_runs_eagerly():
     runner = fake_runner()
-    with plain_decode_graphs(runner, None):
+    with using_plain_graph(runner, None):
         assert runner.decode_cuda_graph_runner is None and runner.attn_backend == "verify-backend"
     assert runner.decode_cuda_graph_runner == "verify-graph"
 
@@ -117,7 +117,7 @@ def test_weight_updates_drop_the_plain_graph_until_a_recapture():
 
     def capture(runner, capture_hidden):
         captures.append(capture_hidden)
-        return PlainDecodeGraph(runner=f"graph-{len(captures)}", attn_backend="b", memory_bytes=0)
+        return PlainGraph(runner=f"graph-{len(captures)}", attn_backend="b", memory_bytes=0)
 
     inner = FakeWeightUpdater()
     runner = types.SimpleNamespace(weight_updater=inner)
