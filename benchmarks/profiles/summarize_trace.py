@@ -1,14 +1,20 @@
-"""Summarize a torch-profiler trace of an SGLang server (``/start_profile``, CPU + GPU).
+"""Summarize torch-profiler traces of SGLang servers (``/start_profile``, CPU + GPU).
 
     python benchmarks/profiles/summarize_trace.py TRACE.json.gz [TRACE2.json.gz ...]
+    python benchmarks/profiles/summarize_trace.py --diff BASELINE.json.gz DYNAMIC.json.gz
 
 Per trace: for each GPU step annotation SGLang writes (``step[DECODE bs=..]``,
-``draft_extend`` ...), how many, their mean span on the GPU timeline and the mean
-kernel time inside them (span - kernel time = the GPU waiting for the host); the
-kernels that take the most time; and the host time of the plugin's own functions
-(``sglang_dynspec``) and the SGLang calls it wraps. Host times come from Python
-tracing and are inflated by it (several times): compare them with each other, not
-with the GPU timeline.
+``draft_extend`` ...), how many, their mean span on the GPU timeline, the mean kernel
+time inside them (span - kernel time = the GPU waiting for the host) and the mean
+period between the starts of consecutive ones (what a step costs the server); the GPU's
+busy share of the traced window and the kernel time outside every step annotation
+(work the plugin or SGLang queues between steps); the kernels that take the most time;
+and the host time of the plugin's own functions (``sglang_dynspec``) and the SGLang
+calls it wraps. Host times come from Python tracing and are inflated by it (several
+times): compare them with each other, not with the GPU timeline.
+
+``--diff``: kernel time per decode step of each kernel name in both traces, largest
+differences first (what the second server's decode steps run that the first's do not).
 """
 
 from __future__ import annotations
@@ -22,30 +28,74 @@ import json
 HOST_KEYS = ("sglang_dynspec", "dynspec", "_draft_extend_for_prefill", "tp_worker.py", "init_new")
 
 
-def summarize(path: str, top: int = 8) -> str:
+def load(path: str) -> list[dict]:
     with gzip.open(path) if path.endswith(".gz") else open(path) as f:
-        events = json.load(f)["traceEvents"]
-    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+        return json.load(f)["traceEvents"]
+
+
+def _kernels(events):
+    return sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+
+
+def _annotations(events):
+    return sorted((e for e in events if e.get("cat") == "gpu_user_annotation"), key=lambda e: e["ts"])
+
+
+def _kind(annotation: dict) -> str:
+    return annotation["name"].split(" ")[0]
+
+
+def _decode_steps(annotations):
+    return [a for a in annotations if "DECODE" in a["name"] or "TARGET_VERIFY" in a["name"]]
+
+
+def summarize(path: str, top: int = 8) -> str:
+    events = load(path)
+    kernels = _kernels(events)
     starts = [k["ts"] for k in kernels]
+    annotations = _annotations(events)
     steps = collections.defaultdict(list)
-    for a in (e for e in events if e.get("cat") == "gpu_user_annotation"):
+    starts_by_kind = collections.defaultdict(list)
+    inside = [False] * len(kernels)
+    for a in annotations:
         lo, hi = a["ts"], a["ts"] + a["dur"]
         i, busy = bisect.bisect_left(starts, lo), 0.0
         while i < len(kernels) and kernels[i]["ts"] < hi:
             busy += kernels[i]["dur"]
+            inside[i] = True
             i += 1
-        steps[a["name"].split(" ")[0]].append((a["dur"], busy))
+        steps[_kind(a)].append((a["dur"], busy))
+        starts_by_kind[_kind(a)].append(lo)
     lines = [
         f"## {path}",
         "",
-        "| GPU annotation | n | mean span (ms) | mean kernel time (ms) |",
-        "|---|---|---|---|",
+        "| GPU annotation | n | mean span (ms) | mean kernel time (ms) | mean period (ms) |",
+        "|---|---|---|---|---|",
     ]
     for name, values in sorted(steps.items()):
         n = len(values)
+        s = starts_by_kind[name]
+        period = f"{(s[-1] - s[0]) / (n - 1) / 1e3:.2f}" if n > 1 else "-"
         lines.append(
-            f"| `{name}` | {n} | {sum(v[0] for v in values) / n / 1e3:.2f} | {sum(v[1] for v in values) / n / 1e3:.2f} |"
+            f"| `{name}` | {n} | {sum(v[0] for v in values) / n / 1e3:.2f} | "
+            f"{sum(v[1] for v in values) / n / 1e3:.2f} | {period} |"
         )
+    if kernels:
+        window = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
+        total = sum(k["dur"] for k in kernels)
+        outside = [k for k, is_in in zip(kernels, inside) if not is_in]
+        lines += [
+            "",
+            f"GPU busy {total / window:.1%} of the {window / 1e3:.1f} ms from the first kernel to the last; "
+            f"kernel time outside every step annotation: {sum(k['dur'] for k in outside) / 1e3:.2f} ms "
+            f"in {len(outside)} kernels.",
+        ]
+        by_outside = collections.Counter()
+        for k in outside:
+            by_outside[k["name"][:60]] += k["dur"]
+        lines += [
+            f"- {dur / 1e3:.2f} ms `{name}` (outside)" for name, dur in by_outside.most_common(top // 2)
+        ]
     by_kernel = collections.Counter()
     for k in kernels:
         by_kernel[k["name"][:60]] += k["dur"]
@@ -65,13 +115,47 @@ def summarize(path: str, top: int = 8) -> str:
     return "\n".join(lines) + "\n"
 
 
+def per_decode_step_kernels(path: str) -> tuple[int, collections.Counter]:
+    """Decode-step count and kernel microseconds per decode step by kernel name, over the
+    whole trace (kernels between steps included: they are what a step costs)."""
+    events = load(path)
+    n = len(_decode_steps(_annotations(events)))
+    by_kernel = collections.Counter()
+    for k in _kernels(events):
+        by_kernel[k["name"][:60]] += k["dur"]
+    return n, collections.Counter({name: dur / max(n, 1) for name, dur in by_kernel.items()})
+
+
+def diff(first: str, second: str, top: int = 12) -> str:
+    n1, k1 = per_decode_step_kernels(first)
+    n2, k2 = per_decode_step_kernels(second)
+    names = set(k1) | set(k2)
+    rows = sorted(names, key=lambda name: abs(k2[name] - k1[name]), reverse=True)[:top]
+    lines = [
+        f"## kernel time per decode step: {second} ({n2} steps) minus {first} ({n1} steps)",
+        "",
+        f"Total: {sum(k2.values()) / 1e3:.3f} ms against {sum(k1.values()) / 1e3:.3f} ms per decode step.",
+        "",
+        "| kernel | first (µs/step) | second (µs/step) | difference |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| `{name}` | {k1[name]:.1f} | {k2[name]:.1f} | {k2[name] - k1[name]:+.1f} |" for name in rows]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("traces", nargs="+")
     parser.add_argument("--top", type=int, default=8)
+    parser.add_argument("--diff", action="store_true", help="compare two traces' kernels per decode step")
     args = parser.parse_args()
+    if args.diff:
+        if len(args.traces) != 2:
+            parser.error("--diff takes exactly two traces")
+        print(diff(*args.traces, top=args.top))
+        return
     for path in args.traces:
         print(summarize(path, args.top))
 

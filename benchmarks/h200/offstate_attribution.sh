@@ -1,0 +1,76 @@
+#!/bin/bash
+# Issue 19, step 1: where the off state's cost goes, on the H200 (SGLang 0.5.17, CUDA
+# graphs), in one call: a baseline server and EAGLE3_DYNAMIC with default flags (at
+# C >= 48 and acceptance 3.0 the goodput policy decodes plain), and, for the catch-up's
+# share, EAGLE3_DYNAMIC without it (--speculative-catch-up-tokens 0).
+#
+# Per server:
+#   1. the decode sweep at C=64,128 (REPEATS, closed loop with 2xC requests, 256/256),
+#      rows in $OUT/h200-offstate-attr-YYYYMMDD-$SHAPE.jsonl (bench sweep: output tok/s,
+#      ITL p50/p99, TTFT, and the dynamic server's steps per mode and catch-ups);
+#   2. prefill only (output 1 token, 8xC requests at C=64): the EAGLE-3 prefill path's
+#      cost beside the baseline's, with no decode step at all (kind prefill_only);
+#   3. for baseline and dynamic, a torch-profiler trace of 30 forward steps of a steady
+#      C=64 load, summarized on the device (benchmarks/profiles/summarize_trace.py), and
+#      the kernels per decode step of dynamic against the baseline (--diff), in
+#      $OUT/profiles.md; the traces are not brought back (too large).
+# Usage (on the device, repo root): SHAPE=8b PLUGIN_COMMIT=<sha> bash benchmarks/h200/offstate_attribution.sh
+set -u
+source .gpu/device-env.sh || exit 1
+SHAPE=${SHAPE:-8b}
+case $SHAPE in
+  8b) export MODEL=.gpu/models/llama8b; SHAPE_TAG=llama-3.1-8b-dummy ;;
+  3b) export MODEL=.gpu/models/llama3b; SHAPE_TAG=llama-3.2-3b-dummy ;;
+  *) echo "SHAPE must be 8b or 3b, got $SHAPE" >&2; exit 2 ;;
+esac
+source benchmarks/h200/lib.sh
+[ "$SHAPE" = 3b ] && EAGLE_ARGS=(--speculative-draft-model-path .gpu/models/eagle3-3b --speculative-draft-load-format dummy)
+export SGLANG_SIMULATE_ACC_LEN=${ACC:-3.0}
+RESULTS=$OUT/h200-offstate-attr-$(date -u +%Y%m%d)-$SHAPE.jsonl
+SPEC=("${EAGLE_ARGS[@]}" --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)
+BENCH=(--url "$URL" --prompt-len 256 --output-len 256 --no-progress --tag hw=H200 --tag "shape=$SHAPE_TAG"
+       --tag "acc_len=$SGLANG_SIMULATE_ACC_LEN" --tag "plugin_commit=${PLUGIN_COMMIT:-unknown}")
+PROF_ROOT=$(cd "$OUT" && pwd)/prof
+mkdir -p "$OUT/logs" "$PROF_ROOT"
+
+server_args() {
+  case $1 in
+    baseline) echo --enable-metrics ;;
+    dynamic) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
+    dynamic-t0) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics --speculative-catch-up-tokens 0 ;;
+  esac
+}
+
+for cfg in ${CONFIGS:-baseline dynamic dynamic-t0}; do
+  # shellcheck disable=SC2046
+  start_server "$cfg" $(server_args "$cfg") --log-level info || continue
+  python3 -m sglang_dynspec.bench sweep "${BENCH[@]}" --config "$cfg" --concurrency "${C:-64,128}" \
+    --repeats "${REPEATS:-2}" --waves 2 --out "$RESULTS" 2> "$OUT/logs/sweep_$cfg.err" | tail -n 2
+  REQ_PER_C=8 python3 .gpu/client.py "$URL" 64 256 1 \
+    | sed -u "s/^/{\"kind\": \"prefill_only\", \"config\": \"$cfg\", \"prompt_len\": 256, \"r\": /; s/\$/}/" | tee -a "$RESULTS"
+  case " ${PROFILE_CONFIGS-baseline dynamic} " in *" $cfg "*)
+    REQ_PER_C=4 python3 .gpu/client.py "$URL" 64 256 256 > /dev/null &
+    LOAD=$!
+    sleep 4
+    curl -s -X POST "$URL/start_profile" -H 'Content-Type: application/json' \
+      -d "{\"output_dir\": \"$PROF_ROOT/$cfg\", \"num_steps\": 30, \"activities\": [\"CPU\", \"GPU\"], \"profile_prefix\": \"$cfg\"}"
+    echo
+    wait $LOAD ;;
+  esac
+  [ "${cfg#dynamic}" != "$cfg" ] && curl -s "$URL/metrics" | grep "^sglang:spec_dynamic" | grep -v _bucket > "$OUT/logs/metrics_$cfg.txt"
+  stop_server
+  mv "$OUT/server_$cfg.log" "$OUT/logs/" 2>/dev/null
+done
+
+trace() { find "$PROF_ROOT/$1" -name "*.trace.json.gz" 2>/dev/null | head -n 1; }
+{
+  for cfg in baseline dynamic; do
+    t=$(trace $cfg); [ -n "$t" ] && python3 benchmarks/profiles/summarize_trace.py "$t"
+  done
+  [ -n "$(trace baseline)" ] && [ -n "$(trace dynamic)" ] && \
+    python3 benchmarks/profiles/summarize_trace.py --diff --top 16 "$(trace baseline)" "$(trace dynamic)"
+} > "$OUT/profiles.md" 2>&1
+rm -rf "$PROF_ROOT"
+python3 benchmarks/summarize.py "$RESULTS" || true
+grep -h "prefill_only" "$RESULTS"
+tar -C "$OUT" -cJf "$OUT/logs.tar.xz" logs && rm -rf "$OUT/logs"
