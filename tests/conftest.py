@@ -32,3 +32,14 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 
     root = os.environ.get(MODELS_DIR_ENV) or tmp_path_factory.mktemp("testbed-models")
     return build_models(root)
+
+
+@pytest.fixture(scope="session")
+def reference_servers(tiny_models, tmp_path_factory):
+    """Non-speculative servers shared by the session's end-to-end tests, one per target
+    (``dynspec_testbed.server.ReferenceServers``); stopped when the session ends."""
+    from dynspec_testbed.server import ReferenceServers
+
+    servers = ReferenceServers(tiny_models, tmp_path_factory.mktemp("reference-servers"))
+    yield servers
+    servers.close()

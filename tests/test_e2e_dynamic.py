@@ -25,10 +25,8 @@ from dynspec_testbed.server import (
     OVERLAP_CI_ENV,
     CpuServer,
     assert_no_kv_left,
-    baseline_server_args,
     dynamic_server_args,
     retracting,
-    serve,
 )
 from dynspec_testbed.workload import (
     compare_outputs,
@@ -87,21 +85,14 @@ def run_sets(url: str, sets: dict[str, list], staggered: bool) -> dict[str, dict
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_models, tmp_path_factory) -> dict[str, dict[str, dict]]:
+def reference(reference_servers) -> dict[str, dict[str, dict]]:
     """Greedy outputs of non-speculative servers: random target and agreeing target."""
-    logs = tmp_path_factory.mktemp("reference-logs")
     return {
-        "random": serve(
-            baseline_server_args(tiny_models, "random"),
-            lambda url: run_sets(url, RANDOM_PAIR_SETS, staggered=True),
-            log_path=logs / "random.log",
-            env=CI_ENV,
+        "random": reference_servers.serve(
+            "random", lambda url: run_sets(url, RANDOM_PAIR_SETS, staggered=True)
         ),
-        "agree": serve(
-            baseline_server_args(tiny_models, "agree"),
-            lambda url: {**run_waves(url, WAVES), **run_waves(url, CRASH_WAVES)},
-            log_path=logs / "agree.log",
-            env=CI_ENV,
+        "agree": reference_servers.serve(
+            "agree", lambda url: {**run_waves(url, WAVES), **run_waves(url, CRASH_WAVES)}
         ),
     }
 

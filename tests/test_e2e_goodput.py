@@ -19,9 +19,7 @@ from dynspec_testbed.server import (
     OVERLAP_CI_ENV,
     CpuServer,
     assert_no_kv_left,
-    baseline_server_args,
     dynamic_server_args,
-    serve,
 )
 from dynspec_testbed.workload import compare_outputs, plugin_counters, run_waves, waves_of
 
@@ -41,13 +39,8 @@ def goodput_args(models, pair: str) -> list:
     return dynamic_server_args(models, pair, policy=None, disable_above=None, dwell=4, extra=extra)
 
 
-def serve_and_measure(models, pair: str, tmp_path):
-    reference = serve(
-        baseline_server_args(models, pair),
-        lambda url: {**run_waves(url, WARM_UP), **run_waves(url, TAIL)},
-        log_path=tmp_path / "reference.log",
-        env=OVERLAP_CI_ENV,
-    )
+def serve_and_measure(models, reference_servers, pair: str, tmp_path):
+    reference = reference_servers.serve(pair, lambda url: {**run_waves(url, WARM_UP), **run_waves(url, TAIL)})
     log = tmp_path / "goodput.log"
     with CpuServer(goodput_args(models, pair), log_path=log, env=OVERLAP_CI_ENV) as server:
         got = run_waves(server.url, WARM_UP)
@@ -63,16 +56,16 @@ def serve_and_measure(models, pair: str, tmp_path):
     return after, tail, log.read_text()
 
 
-def test_random_draft_ends_plain_even_at_one_request(tiny_models, tmp_path):
-    after, tail, text = serve_and_measure(tiny_models, "random", tmp_path)
+def test_random_draft_ends_plain_even_at_one_request(tiny_models, reference_servers, tmp_path):
+    after, tail, text = serve_and_measure(tiny_models, reference_servers, "random", tmp_path)
     assert after.acceptance is not None and after.acceptance < 1.5, after
     assert after.mode == 0, f"still speculating at the end: {after}"
     assert tail["plain"] > 0 and tail["spec"] <= PROBE_BUDGET, tail
     assert "goodput policy" in text and "step costs (timed at start-up" in text
 
 
-def test_agreeing_pair_speculates_at_one_request(tiny_models, tmp_path):
-    after, tail, text = serve_and_measure(tiny_models, "agree", tmp_path)
+def test_agreeing_pair_speculates_at_one_request(tiny_models, reference_servers, tmp_path):
+    after, tail, text = serve_and_measure(tiny_models, reference_servers, "agree", tmp_path)
     assert after.acceptance is not None and after.acceptance > 3.5, after  # 3 drafts + the bonus
     assert after.mode == 1, f"not speculating at the end: {after}"
     assert tail["spec"] > 0 and tail["plain"] <= PROBE_BUDGET, tail

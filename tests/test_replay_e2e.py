@@ -38,9 +38,7 @@ from dynspec_testbed.server import (
     OVERLAP_CI_ENV,
     CpuServer,
     assert_no_kv_left,
-    baseline_server_args,
     dynamic_server_args,
-    serve,
 )
 from dynspec_testbed.workload import compare_outputs, plugin_counters, run_waves, waves_of
 
@@ -147,13 +145,10 @@ SWITCH = re.compile(
 )
 
 
-def test_speculation_comes_back_when_the_replay_sees_acceptance_rise_while_plain(tiny_models, tmp_path):
-    reference = serve(
-        baseline_server_args(tiny_models, "agree"),
-        lambda url: run_waves(url, [*WARM, *LOW, *HIGH]),
-        log_path=tmp_path / "reference.log",
-        env=OVERLAP_CI_ENV,
-    )
+def test_speculation_comes_back_when_the_replay_sees_acceptance_rise_while_plain(
+    tiny_models, reference_servers, tmp_path
+):
+    reference = reference_servers.serve("agree", lambda url: run_waves(url, [*WARM, *LOW, *HIGH]))
     reads = tmp_path / "host-reads"
     log = tmp_path / "dynamic.log"
     args = replay_args(tiny_models, "agree", bound=None)

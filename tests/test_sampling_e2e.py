@@ -20,7 +20,6 @@ import pytest
 
 from dynspec_testbed.server import (
     CI_ENV,
-    baseline_server_args,
     dynamic_server_args,
     generate_concurrently,
     serve,
@@ -78,13 +77,8 @@ def run_all(url: str, greedy_reference: dict[str, dict] | None):
     return results, twins
 
 
-def test_sampling_parameters_stops_and_n_match_the_baseline(tiny_models, tmp_path):
-    ref, ref_twins = serve(
-        baseline_server_args(tiny_models),
-        lambda url: run_all(url, None),
-        log_path=tmp_path / "reference.log",
-        env=CI_ENV,
-    )
+def test_sampling_parameters_stops_and_n_match_the_baseline(tiny_models, reference_servers, tmp_path):
+    ref, ref_twins = reference_servers.serve("random", lambda url: run_all(url, None))
     got, twins = serve(
         dynamic_server_args(tiny_models),
         lambda url: run_all(url, greedy_reference=ref),

@@ -13,10 +13,17 @@ from dynspec_testbed.soak import soak
 pytestmark = pytest.mark.server
 
 
-def test_hundred_switches_lose_nothing(tiny_models, tmp_path):
+def test_hundred_switches_lose_nothing(tiny_models, reference_servers, tmp_path):
     # The switch count ends the run; the time bound only stops a server that stopped switching
     # (a 2026-12-01 run under a second load on 2 cores reached 96 switches in 600 s).
-    summary = soak(tiny_models, tmp_path, switches=100, max_seconds=2400, seed=1)
+    summary = soak(
+        tiny_models,
+        tmp_path,
+        switches=100,
+        max_seconds=2400,
+        seed=1,
+        reference_url=lambda: reference_servers.url("random"),
+    )
     assert summary["switches"] >= 100, summary
     assert summary["crashes"] == 0, summary
     assert summary["leaks"] == 0, summary

@@ -63,10 +63,8 @@ def parse_step_costs(log: str) -> tuple[float, dict[tuple[str, int, int], float]
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_models, tmp_path_factory) -> dict[str, dict]:
-    log = tmp_path_factory.mktemp("step-timing-reference") / "reference.log"
-    with CpuServer(["--model-path", tiny_models["target"]], log_path=log, env=CI_ENV) as server:
-        return run_waves(server.url, WAVES)
+def reference(reference_servers) -> dict[str, dict]:
+    return reference_servers.serve("random", lambda url: run_waves(url, WAVES))
 
 
 @pytest.mark.parametrize("scheduler", sorted(SCHEDULERS))

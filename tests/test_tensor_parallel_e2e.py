@@ -27,7 +27,9 @@ from dynspec_testbed.server import (
     assert_no_kv_left,
     baseline_server_args,
     dynamic_server_args,
+    flush_cache,
     serve,
+    wait_until_idle,
 )
 from dynspec_testbed.workload import compare_outputs, plugin_counters, run_waves, waves_of
 from sglang_dynspec.config import COST_CACHE_ENV, REQUEST_MODES_ENV, REQUEST_MODES_KEY
@@ -35,21 +37,31 @@ from sglang_dynspec.config import COST_CACHE_ENV, REQUEST_MODES_ENV, REQUEST_MOD
 pytestmark = pytest.mark.server
 
 WAVES = waves_of([1, 6, 1, 6, 2, 8], seed=51, prefix="tp", new_tokens=(12, 32))
+GOODPUT_WAVES = waves_of([1, 4, 1, 4], seed=52, prefix="tp-gp", new_tokens=(24, 40))
 
 
-def two_rank_reference(models, waves, tmp_path) -> dict:
-    """The non-speculative server's outputs for ``waves``, with two ranks too (the same
-    split matmuls and all-reduce as the server compared with it)."""
+@pytest.fixture(scope="module")
+def two_rank_reference(tiny_models, tmp_path_factory) -> dict[str, dict[str, dict]]:
+    """The non-speculative server's outputs for both tests' waves, with two ranks too
+    (the same split matmuls and all-reduce as the servers compared with it); its prefix
+    cache is emptied between the two workloads, as on a fresh server."""
+
+    def both(url: str) -> dict[str, dict[str, dict]]:
+        switching = run_waves(url, WAVES)
+        wait_until_idle(url)
+        flush_cache(url)
+        return {"switching": switching, "goodput": run_waves(url, GOODPUT_WAVES)}
+
     return serve(
-        baseline_server_args(models, extra=["--tp-size", 2]),
-        lambda url: run_waves(url, waves),
-        log_path=tmp_path / "reference.log",
+        baseline_server_args(tiny_models, extra=["--tp-size", 2]),
+        both,
+        log_path=tmp_path_factory.mktemp("two-rank-reference") / "reference.log",
         env=TWO_RANK_CI_ENV,
     )
 
 
-def test_two_ranks_switch_both_ways_and_match_the_baseline(tiny_models, tmp_path):
-    reference = two_rank_reference(tiny_models, WAVES, tmp_path)
+def test_two_ranks_switch_both_ways_and_match_the_baseline(tiny_models, two_rank_reference, tmp_path):
+    reference = two_rank_reference["switching"]
 
     args = dynamic_server_args(
         tiny_models, extra=["--tp-size", 2, "--speculative-catch-up-tokens", 8, "--enable-metrics"]
@@ -68,13 +80,10 @@ def test_two_ranks_switch_both_ways_and_match_the_baseline(tiny_models, tmp_path
     assert {"plain"} in modes and {"spec"} in modes, modes
 
 
-GOODPUT_WAVES = waves_of([1, 4, 1, 4], seed=52, prefix="tp-gp", new_tokens=(24, 40))
-
-
 def test_two_ranks_with_the_goodput_policy_decide_alike_and_a_restart_reads_the_cached_table(
-    tiny_models, tmp_path
+    tiny_models, two_rank_reference, tmp_path
 ):
-    reference = two_rank_reference(tiny_models, GOODPUT_WAVES, tmp_path)
+    reference = two_rank_reference["goodput"]
     # No policy flag: goodput is the default. The random draft is rejected (about one
     # token per speculative step), so once the counters have measured it, it goes plain.
     args = dynamic_server_args(

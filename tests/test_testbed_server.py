@@ -4,9 +4,10 @@ Run one at a time machine-wide (an idle SGLang server keeps a core busy):
 
     flock /work/server.lock python -m pytest -m server tests/test_testbed_server.py
 
-Four servers start (40-60 s each): plain, EAGLE3 synchronous, EAGLE3 with the
-overlap scheduler, and EAGLE3 on the always-agree pair. The plain server's
-outputs are recorded first and every later server is compared with them.
+Three servers start (40-60 s each): EAGLE3 synchronous, EAGLE3 with the overlap
+scheduler, and EAGLE3 on the always-agree pair; the plain server is the session's
+shared reference (``reference_servers``). The plain server's outputs are recorded
+first and every later server is compared with them.
 """
 
 import pytest
@@ -17,7 +18,6 @@ from dynspec_testbed.plugin import OVERLAP_ENV
 from dynspec_testbed.server import (
     CpuServer,
     assert_no_kv_left,
-    baseline_server_args,
     generate,
     generate_concurrently,
     speculative_server_args,
@@ -60,12 +60,11 @@ def hf_greedy(model_path, prompt, new_tokens):
 
 
 @pytest.fixture(scope="module")
-def plain_outputs(tiny_models, tmp_path_factory):
+def plain_outputs(reference_servers):
     """Greedy output ids of a non-speculative server, one list per prompt."""
-    log = tmp_path_factory.mktemp("plain") / "server.log"
-    with CpuServer(baseline_server_args(tiny_models), log_path=log) as server:
-        outputs = [r["output_ids"] for r in _generate_all(server.url)]
-        assert_no_kv_left(server.url)
+    url = reference_servers.url("random")
+    outputs = [r["output_ids"] for r in _generate_all(url)]
+    assert_no_kv_left(url)
     return outputs
 
 

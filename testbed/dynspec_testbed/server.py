@@ -12,7 +12,8 @@
 The end-to-end tests' vocabulary is here: the scheduler environments (``CI_ENV``,
 ``OVERLAP_CI_ENV``, ``TWO_RANK_CI_ENV``, ``retracting``), the server arguments on the
 test bed's model pairs (``baseline_server_args``, ``speculative_server_args``,
-``dynamic_server_args``), ``serve`` and the check that no KV is left once idle
+``dynamic_server_args``), ``serve``, the non-speculative references a test session
+shares (``ReferenceServers``) and the check that no KV is left once idle
 (``assert_no_kv_left``).
 
 ``CpuServer`` starts ``python -m dynspec_testbed.serve`` in its own process
@@ -279,6 +280,46 @@ def serve(
         return workload(server.url)
 
 
+class ReferenceServers:
+    """Non-speculative servers shared by the tests of a session, one per target model.
+
+    Most end-to-end tests compare a speculative server's greedy outputs with a
+    non-speculative server's on the same target. Starting that reference costs about a
+    minute on the CPU bed (most of it importing SGLang in three processes) and serving
+    it a few seconds, so one server per target answers them all: started on first use,
+    with ``--sleep-on-idle`` (an idle SGLang scheduler otherwise keeps a core busy,
+    which would slow the server under test), and stopped by :meth:`close`. Before each
+    use it is idle and its prefix cache is flushed, so a test's requests meet the empty
+    cache a fresh server has.
+    """
+
+    def __init__(self, models: Mapping[str, Any], log_dir: Path, env: Mapping[str, str] = CI_ENV):
+        self._models, self._log_dir, self._env = models, Path(log_dir), dict(env)
+        self._servers: dict[str, CpuServer] = {}
+
+    def url(self, pair: str = "random") -> str:
+        """The URL of the reference for ``pair``'s target (``random``, ``agree``, ``count``),
+        idle and with an empty prefix cache."""
+        server = self._servers.get(pair)
+        if server is None:
+            args = baseline_server_args(self._models, pair, extra=["--sleep-on-idle"])
+            server = CpuServer(args, log_path=self._log_dir / f"reference-{pair}.log", env=self._env)
+            server.start()
+            self._servers[pair] = server
+        wait_until_idle(server.url)
+        flush_cache(server.url)
+        return server.url
+
+    def serve(self, pair: str, workload: Callable[[str], T]) -> T:
+        """``workload(url)`` on the reference for ``pair``; what it returned."""
+        return workload(self.url(pair))
+
+    def close(self) -> None:
+        for server in self._servers.values():
+            server.stop()
+        self._servers.clear()
+
+
 # ------------------------------------------------------------------ requests
 
 
@@ -329,6 +370,13 @@ def generate_concurrently(
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         futures = [pool.submit(generate, url, **request) for request in requests]
         return [future.result() for future in futures]
+
+
+def flush_cache(url: str, timeout: float = 30.0) -> None:
+    """Empty the server's prefix (radix) cache; it must be idle."""
+    response = httpx.post(f"{url}/flush_cache", timeout=timeout)
+    if response.is_error:
+        raise RuntimeError(f"/flush_cache returned {response.status_code}: {response.text[:500]}")
 
 
 def get_loads(url: str, timeout: float = 30.0) -> list[dict[str, Any]]:

@@ -23,6 +23,7 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -91,7 +92,18 @@ def send(url: str, request: Request, kind: str) -> dict | None:
     return generate(url, **request.kwargs())
 
 
-def soak(models: dict, work_dir: Path, switches: int, max_seconds: float, seed: int = 0, log=print) -> dict:
+def soak(
+    models: dict,
+    work_dir: Path,
+    switches: int,
+    max_seconds: float,
+    seed: int = 0,
+    log=print,
+    reference_url: Callable[[], str] | None = None,
+) -> dict:
+    """Run the soak; its summary. ``reference_url``: where a running non-speculative
+    server on the random pair's target answers (the tests' shared reference); by
+    default one is started for the comparison."""
     rng = random.Random(seed)
     completed: dict[str, dict] = {}
     sent: dict[str, tuple[Request, str]] = {}
@@ -127,11 +139,16 @@ def soak(models: dict, work_dir: Path, switches: int, max_seconds: float, seed: 
     retractions = sum(int(n) for n in re.findall(r"#retracted_reqs: (\d+)", text))
     # The reference: a non-speculative server answers every completed request again.
     greedy = {rid: sent[rid][0] for rid in completed}
-    with CpuServer(baseline_server_args(models), log_path=work_dir / "reference.log", env=ENV) as server:
-        with ThreadPoolExecutor(max_workers=6) as pool:
-            reference = dict(
-                zip(greedy, pool.map(lambda r: generate(server.url, **r.kwargs()), greedy.values()))
-            )
+
+    def answer_again(url: str) -> dict:
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            return dict(zip(greedy, pool.map(lambda r: generate(url, **r.kwargs()), greedy.values())))
+
+    if reference_url is not None:
+        reference = answer_again(reference_url())
+    else:
+        with CpuServer(baseline_server_args(models), log_path=work_dir / "reference.log", env=ENV) as server:
+            reference = answer_again(server.url)
     mismatches = compare_outputs(reference, completed)
     return {
         "switches": int((counters.switches_to_plain or 0) + (counters.switches_to_spec or 0)),
