@@ -1,9 +1,9 @@
 """End to end on real SGLang (CPU test bed): EAGLE3_DYNAMIC's greedy output equals a
 non-speculative server's, token for token, while the mode switches both ways.
 
-One server runs at a time (an idle SGLang scheduler keeps a core busy): the
-reference outputs are recorded first, then each EAGLE3_DYNAMIC configuration is
-started, driven and compared. Every server runs with ``SGLANG_IS_IN_CI=1`` so SGLang
+The reference outputs are recorded first, on the session's shared non-speculative
+servers (``reference_servers``: idle, they sleep and take no core), then each
+EAGLE3_DYNAMIC configuration is started, driven and compared. Every server runs with ``SGLANG_IS_IN_CI=1`` so SGLang
 asserts a missing overlap publish (otherwise silent, and wrong tokens follow).
 
 Coverage (issue 2): load patterns crossing the thresholds both ways, logprobs, a
