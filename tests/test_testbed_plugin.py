@@ -219,3 +219,26 @@ def test_overlap_plugin_keeps_overlap_on_for_eagle_family_and_patches_gather(tin
         "EAGLE3 --disable-overlap-schedule": True,
         "gather_rows": [1],
     }, proc.stderr[-3000:]
+
+
+def test_a_server_whose_port_was_taken_starts_again_on_another(tmp_path, monkeypatch):
+    """The port is free when chosen, but another process may bind it first (a full
+    run lost 300 s and three tests to that); the server is started again elsewhere."""
+    import socket
+
+    from dynspec_testbed import server as server_module
+
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen()
+    taken = blocker.getsockname()[1]
+    ports = iter([taken, server_module._free_port()])
+    monkeypatch.setattr(server_module, "_free_port", lambda: next(ports))
+    monkeypatch.setattr(server_module, "MODULE", "port_taken_server")
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    try:
+        with server_module.CpuServer([], log_path=tmp_path / "server.log", env=env, startup_timeout=60) as s:
+            assert s.port != taken
+            assert s.url.endswith(f":{s.port}") and s.command[-1] == str(s.port)
+    finally:
+        blocker.close()

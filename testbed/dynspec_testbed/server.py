@@ -61,6 +61,15 @@ class ServerStartError(RuntimeError):
     """The server exited or did not become healthy; the message ends with its log tail."""
 
 
+class PortTakenError(ServerStartError):
+    """The chosen port was taken by another process before the server bound it."""
+
+
+# uvicorn's message when the HTTP port is taken; the process stays up without serving.
+BIND_FAILURE = "error while attempting to bind on address"
+PORT_ATTEMPTS = 3
+
+
 class CpuServer:
     """Context manager running one test-bed SGLang server.
 
@@ -109,7 +118,23 @@ class CpuServer:
         self.stop()
 
     def start(self) -> None:
-        """Launch the server and block until it answers ``/health_generate``."""
+        """Launch the server and block until it answers ``/health_generate``.
+
+        The port is free when chosen, but another process (another server's internal
+        ports) may take it before this one binds it: then the server is started again
+        on a new port, up to ``PORT_ATTEMPTS`` times."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                self._start_once()
+                return
+            except PortTakenError:
+                if attempt == PORT_ATTEMPTS:
+                    raise
+                self.port = _free_port()
+                self.url = f"http://{HOST}:{self.port}"
+                self.command[-1] = str(self.port)
+
+    def _start_once(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         with open(self.log_path, "wb") as log:
@@ -139,6 +164,8 @@ class CpuServer:
                     return
             except httpx.HTTPError:
                 pass  # not listening yet
+            if BIND_FAILURE in self.log_tail():
+                raise PortTakenError(self._failure(f"port {self.port} was taken before the server bound it"))
             if time.monotonic() > deadline:
                 raise ServerStartError(
                     self._failure(f"server not healthy after {self._startup_timeout:.0f} s")
