@@ -160,7 +160,7 @@ class EstimateFeed:
             interval = (mode, size, now - start)
             predicted = self.table.seconds(mode, size, ctx) if self.table is not None else None
             if predicted:
-                self.corrections.observe("host", mode, size, now - start, predicted)
+                self.corrections.observe("host", *interval, predicted)
         tokens = None  # output tokens of a speculative step: verified requests + accepted drafts
         if counters is not None and self._mode is Mode.SPEC and self._mode_run > SETTLE_STEPS:
             tokens = self._observe(counters())

@@ -27,12 +27,7 @@ case $ROW in
   8b-p2048-acc3) SHAPE=8b ACC=3.0 PROMPT=2048 WAVES=${WAVES:-1} ;;
   *) echo "ROW must be one of 8b-acc2 8b-acc3 8b-acc4 3b-acc3 8b-p2048-acc3, got $ROW" >&2; exit 2 ;;
 esac
-case $SHAPE in
-  8b) export MODEL=.gpu/models/llama8b; SHAPE_TAG=llama-3.1-8b-dummy ;;
-  3b) export MODEL=.gpu/models/llama3b; SHAPE_TAG=llama-3.2-3b-dummy ;;
-esac
-source benchmarks/h200/lib.sh
-[ "$SHAPE" = 3b ] && EAGLE_ARGS=(--speculative-draft-model-path .gpu/models/eagle3-3b --speculative-draft-load-format dummy)
+source benchmarks/h200/lib.sh  # SHAPE picks the models
 export SGLANG_SIMULATE_ACC_LEN=$ACC
 RESULTS=$OUT/h200-decision-$(date -u +%Y%m%d)-$ROW.jsonl
 SPEC=("${EAGLE_ARGS[@]}" --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)

@@ -4,8 +4,16 @@
 OUT=${OUT:-out}; mkdir -p "$OUT"
 PORT=${PORT:-30000}
 URL=http://127.0.0.1:$PORT
-MODEL=${MODEL:-.gpu/models/llama8b}
-DRAFT=.gpu/models/eagle3-8b
+# SHAPE (8b or 3b), when set, picks the target, its EAGLE-3 draft and the results' shape
+# tag (../shared/gpu/models); unset, MODEL (default the 8B shape) and the 8B draft apply.
+case ${SHAPE:-} in
+  "") ;;
+  8b) MODEL=.gpu/models/llama8b; DRAFT=.gpu/models/eagle3-8b; SHAPE_TAG=llama-3.1-8b-dummy ;;
+  3b) MODEL=.gpu/models/llama3b; DRAFT=.gpu/models/eagle3-3b; SHAPE_TAG=llama-3.2-3b-dummy ;;
+  *) echo "SHAPE must be 8b or 3b, got $SHAPE" >&2; exit 2 ;;
+esac
+export MODEL=${MODEL:-.gpu/models/llama8b}
+DRAFT=${DRAFT:-.gpu/models/eagle3-8b}
 COMMON_ARGS=(--model-path "$MODEL" --load-format dummy --skip-tokenizer-init
   --attention-backend triton --sampling-backend pytorch --grammar-backend none
   --host 127.0.0.1 --port "$PORT" --mem-fraction-static 0.7 --max-running-requests 128

@@ -13,14 +13,9 @@
 # Results: $OUT/h200-YYYYMMDD.jsonl (sweeps), $OUT/ramp-YYYYMMDD.jsonl (ramp).
 set -u
 source .gpu/device-env.sh || exit 1
-# SHAPE=3b measures the Llama-3.2-3B-shaped pair instead (../shared/gpu/models).
-case ${SHAPE:-8b} in
-  8b) export MODEL=.gpu/models/llama8b; SHAPE_TAG=llama-3.1-8b-dummy ;;
-  3b) export MODEL=.gpu/models/llama3b; SHAPE_TAG=llama-3.2-3b-dummy ;;
-  *) echo "SHAPE must be 8b or 3b, got ${SHAPE}" >&2; exit 2 ;;
-esac
+# SHAPE=3b measures the Llama-3.2-3B-shaped pair instead (lib.sh picks the models).
+SHAPE=${SHAPE:-8b}
 source benchmarks/h200/lib.sh
-[ "${SHAPE:-8b}" = 3b ] && EAGLE_ARGS=(--speculative-draft-model-path .gpu/models/eagle3-3b --speculative-draft-load-format dummy)
 export SGLANG_SIMULATE_ACC_LEN=${ACC_LEN:-3.0}   # read only by speculative verify
 DAY=$(date -u +%Y%m%d)
 RESULTS=${RESULTS:-$OUT/h200-$DAY.jsonl}

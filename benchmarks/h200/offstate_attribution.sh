@@ -18,13 +18,7 @@
 set -u
 source .gpu/device-env.sh || exit 1
 SHAPE=${SHAPE:-8b}
-case $SHAPE in
-  8b) export MODEL=.gpu/models/llama8b; SHAPE_TAG=llama-3.1-8b-dummy ;;
-  3b) export MODEL=.gpu/models/llama3b; SHAPE_TAG=llama-3.2-3b-dummy ;;
-  *) echo "SHAPE must be 8b or 3b, got $SHAPE" >&2; exit 2 ;;
-esac
-source benchmarks/h200/lib.sh
-[ "$SHAPE" = 3b ] && EAGLE_ARGS=(--speculative-draft-model-path .gpu/models/eagle3-3b --speculative-draft-load-format dummy)
+source benchmarks/h200/lib.sh  # SHAPE picks the models
 export SGLANG_SIMULATE_ACC_LEN=${ACC:-3.0}
 RESULTS=$OUT/h200-offstate-attr-$(date -u +%Y%m%d)-$SHAPE.jsonl
 SPEC=("${EAGLE_ARGS[@]}" --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)
