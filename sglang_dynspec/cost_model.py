@@ -135,13 +135,16 @@ class CostCorrections:
     not its first one: on the H200 the first plain steps at batch 128, right after 80
     requests were admitted, read 2x the table (clipped), the policy resumed speculation
     at R = 1.51 where the table gave 0.76, and switched back 55 steps later
-    (benchmarks/results/h200-decision-20261202-81b196c/README.md).
+    (benchmarks/results/h200-decision-20261202-81b196c/README.md). ``samples`` counts
+    what each bucket has seen, so that ``CostModel`` can weigh a bucket measured a few
+    times against its neighbours (``PRIOR_SAMPLES``).
     """
 
     alpha: float = 0.1
     first_samples: int = 3
     device: dict[tuple[Mode, int], float] = field(default_factory=dict)
     host: dict[tuple[Mode, int], float] = field(default_factory=dict)
+    samples: dict[tuple[str, Mode, int], int] = field(default_factory=dict)
     _first: dict[tuple[str, Mode, int], list[float]] = field(default_factory=dict, repr=False)
 
     def observe(self, kind: str, mode: Mode, batch_size: int, measured: float, predicted: float) -> None:
@@ -149,6 +152,7 @@ class CostCorrections:
             return
         table = self.device if kind == "device" else self.host
         key, ratio = (mode, bucket_of(batch_size)), measured / predicted
+        self.samples[(kind, *key)] = self.samples.get((kind, *key), 0) + 1
         old = table.get(key)
         # One sample moves the average by at most a factor of 2 before averaging, and
         # the first ones start it at most 2x from the table's 1: a step stalled by
@@ -168,6 +172,7 @@ class CostCorrections:
         return {
             "device": {f"{m.value}:{b}": r for (m, b), r in self.device.items()},
             "host": {f"{m.value}:{b}": r for (m, b), r in self.host.items()},
+            "samples": {f"{k}:{m.value}:{b}": n for (k, m, b), n in self.samples.items()},
         }
 
 
@@ -179,6 +184,27 @@ def _parse(ratios: Mapping[str, float]) -> dict[tuple[Mode, int], float]:
     return out
 
 
+def _parse_samples(samples: Mapping[str, int], kind: str) -> dict[tuple[Mode, int], int]:
+    out = {}
+    for key, n in samples.items():
+        k, mode, bucket = key.split(":")
+        if k == kind:
+            out[(Mode(mode), int(bucket))] = int(n)
+    return out
+
+
+# How many samples the neighbours' view of a bucket counts for: a bucket's correction is
+# its own ratio weighed against the mean of the mode's other buckets (the table, where
+# nothing else has run) as n : PRIOR_SAMPLES. Step cost is smooth in the batch size, so
+# a bucket measured a few times far from its neighbours is more likely a transient than
+# a cost. On the H200 (3B shape, C=48) 11 plain steps taken while 48 requests were
+# admitted read 1.40x the table where the neighbouring buckets read 0.99; as the
+# bucket's whole correction it made plain 40% dearer, and since the policy then
+# speculated, plain at that size was never measured again
+# (benchmarks/results/h200-20261203-d79b2bd/README.md).
+PRIOR_SAMPLES = 64
+
+
 @dataclass(frozen=True)
 class CostModel:
     """The table with an agreed snapshot of the corrections: what the decision reads."""
@@ -186,31 +212,68 @@ class CostModel:
     table: StepCostTable
     device_ratio: Mapping[tuple[Mode, int], float] = field(default_factory=dict)
     host_ratio: Mapping[tuple[Mode, int], float] = field(default_factory=dict)
+    # Samples behind each ratio; a ratio without a count is taken as fully measured.
+    device_samples: Mapping[tuple[Mode, int], int] = field(default_factory=dict)
+    host_samples: Mapping[tuple[Mode, int], int] = field(default_factory=dict)
+    prior_samples: int = PRIOR_SAMPLES
 
     @classmethod
     def with_snapshot(cls, table: StepCostTable, snapshot: Mapping | None) -> CostModel:
         if not snapshot:
             return cls(table)
-        return cls(table, _parse(snapshot.get("device", {})), _parse(snapshot.get("host", {})))
+        samples = snapshot.get("samples", {})
+        return cls(
+            table,
+            _parse(snapshot.get("device", {})),
+            _parse(snapshot.get("host", {})),
+            _parse_samples(samples, "device"),
+            _parse_samples(samples, "host"),
+        )
 
-    def ratio(self, ratios: Mapping[tuple[Mode, int], float], mode: Mode, batch_size: int) -> float | None:
-        """The bucket's ratio; for a bucket not run yet, the mean of the mode's other
-        buckets; for a mode not run yet, the other mode's mean. A table measured off by a
-        factor common to both modes (other clocks, a host-bound server) is so corrected
-        everywhere by what has run; None if nothing has."""
-        ratio = ratios.get((mode, bucket_of(batch_size)))
-        if ratio is not None:
-            return ratio
+    def ratio(
+        self,
+        ratios: Mapping[tuple[Mode, int], float],
+        mode: Mode,
+        batch_size: int,
+        samples: Mapping[tuple[Mode, int], int] | None = None,
+    ) -> float | None:
+        """The bucket's ratio, weighed against its prior by the samples behind it
+        (``PRIOR_SAMPLES``). The prior: the mean of the mode's other buckets; for a mode
+        with no other bucket, the other mode's mean; else the table (1). A table measured
+        off by a factor common to both modes (other clocks, a host-bound server) is so
+        corrected everywhere by what has run; None if nothing has."""
+        key = (mode, bucket_of(batch_size))
+        prior = None
         for m in (mode, Mode.PLAIN if mode is Mode.SPEC else Mode.SPEC):
-            same = [r for (k, _), r in ratios.items() if k is m]
-            if same:
-                return sum(same) / len(same)
-        return None
+            others = [r for k, r in ratios.items() if k[0] is m and k != key]
+            if others:
+                prior = sum(others) / len(others)
+                break
+        own = ratios.get(key)
+        if own is None:
+            return prior
+        n = (samples or {}).get(key)
+        if n is None:
+            return own
+        weight = self.prior_samples
+        return (n * own + weight * (1.0 if prior is None else prior)) / (n + weight)
+
+    def ratios(self) -> dict[tuple[str, Mode, int], float]:
+        """``(kind, mode, bucket) -> ratio`` as the decision uses it, for every measured
+        bucket (``/metrics``)."""
+        out = {}
+        for kind, ratios, samples in (
+            ("device", self.device_ratio, self.device_samples),
+            ("host", self.host_ratio, self.host_samples),
+        ):
+            for mode, bucket in ratios:
+                out[(kind, mode, bucket)] = self.ratio(ratios, mode, BUCKET_EDGES[bucket], samples)
+        return out
 
     def seconds(self, mode: Mode, batch_size: int, context_len: float) -> float | None:
         base = self.table.seconds(mode, batch_size, context_len)
         if base is None:
             return None
-        device = self.ratio(self.device_ratio, mode, batch_size)
-        host = self.ratio(self.host_ratio, mode, batch_size)
+        device = self.ratio(self.device_ratio, mode, batch_size, self.device_samples)
+        host = self.ratio(self.host_ratio, mode, batch_size, self.host_samples)
         return base * max(1.0 if device is None else device, 0.0 if host is None else host)

@@ -25,8 +25,9 @@ PREDICTED_GAUGE = "sglang:spec_dynamic_predicted_tokens_per_second"  # label "mo
 REALIZED_GAUGE = "sglang:spec_dynamic_realized_tokens_per_second"  # label "mode", last window
 # The step costs timed at start-up; labels "mode", "batch_size", "context_len".
 STEP_SECONDS_GAUGE = "sglang:spec_dynamic_step_seconds"
-# Measured / start-up step time, per mode and batch-size bucket; labels "mode", "kind"
-# (device or host), "batch_max" (the bucket's upper edge).
+# Measured / start-up step time as the decision uses it (weighed against the mode's other
+# buckets by its samples), per mode and batch-size bucket; labels "mode", "kind" (device
+# or host), "batch_max" (the bucket's upper edge).
 STEP_COST_CORRECTION_GAUGE = "sglang:spec_dynamic_step_cost_correction"
 PROBE_STEPS_COUNTER = "sglang:spec_dynamic_probe_steps"  # label "mode"
 PENALTY_PLAIN_COUNTER = "sglang:spec_dynamic_penalty_plain_steps"
@@ -98,9 +99,10 @@ HELP = {
         "and context length (the goodput policy's cost table, before online corrections)."
     ),
     STEP_COST_CORRECTION_GAUGE: (
-        "EAGLE3_DYNAMIC goodput policy: measured over start-up step time, by mode, kind (device: "
-        "the step's forward on the device; host: the time between consecutive decode steps) and "
-        "batch-size bucket (batch_max: the bucket's largest batch size)."
+        "EAGLE3_DYNAMIC goodput policy: measured over start-up step time as the decision uses it "
+        "(a bucket measured a few times is weighed against the mode's other buckets), by mode, kind "
+        "(device: the step's forward on the device; host: the time between consecutive decode steps) "
+        "and batch-size bucket (batch_max: the bucket's largest batch size)."
     ),
 }
 

@@ -139,14 +139,10 @@ class PrometheusExport(TelemetrySink):
                 float("nan") if predicted is None else predicted
             )
         if estimates.costs is not None:
-            for kind, ratios in (
-                ("device", estimates.costs.device_ratio),
-                ("host", estimates.costs.host_ratio),
-            ):
-                for (mode, bucket), ratio in ratios.items():
-                    self._corrections.labels(
-                        **self._labels, mode=mode.value, kind=kind, batch_max=str(BUCKET_EDGES[bucket])
-                    ).set(ratio)
+            for (kind, mode, bucket), ratio in estimates.costs.ratios().items():
+                self._corrections.labels(
+                    **self._labels, mode=mode.value, kind=kind, batch_max=str(BUCKET_EDGES[bucket])
+                ).set(ratio)
 
     def on_realized(self, tokens_per_second: Mapping[Mode, float | None]) -> None:
         for mode in Mode:

@@ -18,6 +18,7 @@ are not judged.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -99,18 +100,93 @@ def test_corrections_scale_the_table_and_the_host_bounds_the_step():
     c = CostCorrections(alpha=1.0, first_samples=1)
     predicted = table.seconds(S, 32, 1024)
     c.observe("device", S, 32, 2 * predicted, predicted)
-    model = CostModel.with_snapshot(table, c.snapshot())
+
+    def model_of(c):  # every sample taken at its word (the weighing is tested below)
+        return dataclasses.replace(CostModel.with_snapshot(table, c.snapshot()), prior_samples=0)
+
+    model = model_of(c)
     assert model.seconds(S, 32, 1024) == pytest.approx(2 * predicted)
     # A bucket not run yet takes the mode's mean ratio, a mode not run yet the other's.
     assert model.seconds(S, 2, 128) == pytest.approx(2 * table.seconds(S, 2, 128))
     assert model.seconds(P, 32, 1024) == pytest.approx(2 * table.seconds(P, 32, 1024))
     c.observe("device", P, 64, table.seconds(P, 64, 1024), table.seconds(P, 64, 1024))
-    assert CostModel.with_snapshot(table, c.snapshot()).seconds(P, 32, 1024) == pytest.approx(
-        table.seconds(P, 32, 1024)
-    )
+    assert model_of(c).seconds(P, 32, 1024) == pytest.approx(table.seconds(P, 32, 1024))
     for _ in range(2):  # host-bound: the step takes longer (a first sample moves it 2x at most)
         c.observe("host", S, 32, 3 * predicted, predicted)
-    assert CostModel.with_snapshot(table, c.snapshot()).seconds(S, 32, 1024) == pytest.approx(3 * predicted)
+    assert model_of(c).seconds(S, 32, 1024) == pytest.approx(3 * predicted)
+
+
+def test_a_bucket_measured_a_few_times_is_weighed_against_its_neighbours():
+    table = measured_table(linear_costs())
+    c = CostCorrections(alpha=1.0, first_samples=1)
+
+    def observe(kind, mode, batch, ratio, times=1):
+        for _ in range(times):
+            c.observe(kind, mode, batch, ratio, 1.0)
+
+    def ratio(kind, mode, batch):
+        model = CostModel.with_snapshot(table, c.snapshot())
+        ratios, samples = (
+            (model.device_ratio, model.device_samples)
+            if kind == "device"
+            else (model.host_ratio, model.host_samples)
+        )
+        return model.ratio(ratios, mode, batch, samples)
+
+    k = CostModel(table).prior_samples
+    observe("device", P, 48, 1.4, times=11)  # alone: weighed against the table's 1
+    assert ratio("device", P, 48) == pytest.approx((11 * 1.4 + k * 1.0) / (11 + k))
+    observe("device", S, 8, 1.2, times=5)  # a plain bucket alone: against the other mode's mean
+    assert ratio("device", P, 48) == pytest.approx((11 * 1.4 + k * 1.2) / (11 + k))
+    observe("device", P, 32, 0.98, times=400)
+    observe("device", P, 64, 1.0, times=400)  # the mode's own neighbours come first
+    assert ratio("device", P, 48) == pytest.approx((11 * 1.4 + k * 0.99) / (11 + k))
+    assert ratio("device", P, 32) == pytest.approx((400 * 0.98 + k * 1.2) / (400 + k))
+    observe("device", P, 48, 1.4, times=989)  # measured 1,000 times: its own
+    assert ratio("device", P, 48) == pytest.approx(1.4, abs=0.03)
+    assert ratio("device", P, 96) == pytest.approx((0.98 + 1.4 + 1.0) / 3)  # never run: the mean
+    assert ratio("host", P, 48) is None  # kinds are apart
+    snapshot = c.snapshot()
+    assert snapshot["samples"]["device:plain:" + str(bucket_of(48))] == 1000
+    # What /metrics shows is what the decision uses.
+    model = CostModel.with_snapshot(table, snapshot)
+    assert model.ratios()[("device", P, bucket_of(32))] == pytest.approx(ratio("device", P, 32))
+    assert set(model.ratios()) == {
+        ("device", m, bucket_of(b)) for m, b in ((P, 48), (S, 8), (P, 32), (P, 64))
+    }
+
+
+def test_plain_steps_slowed_by_admissions_do_not_lock_speculation_in():
+    """H200, 3B shape, C=48 (benchmarks/results/h200-20261203-d79b2bd/): 11 plain steps
+    taken while the 48 requests were admitted read 1.40x the table. As the bucket's whole
+    correction that made plain at batch 48 40% dearer, R = 1.28 where the table gave
+    0.92, and the policy speculated through both repeats, where EAGLE-3 is 0.88x the
+    baseline; speculating, it never measured plain at that size again."""
+    clock, table = FakeClock(), measured_table(linear_costs())
+    acceptance = 0.92 * table.seconds(S, 48, 256) / table.seconds(P, 48, 256)
+    feed = EstimateFeed(
+        agree=lambda x: x, agree_every=16, clock=clock, table=table, simulated_acceptance=acceptance
+    )
+    controller = ModeController(
+        GoodputPolicy(GoodputSettings()), feed=feed, start_timer=lambda: FakeTimer(clock)
+    )
+
+    def step(batch, context, slowdown=1.0):
+        mode = controller.before_decode(batch, context_len=context)
+        clock.now += table.seconds(mode, batch, context) * slowdown
+        controller.after_decode(mode)
+        return mode
+
+    # The last requests of the previous load: long contexts, where plain pays at batch 32.
+    tail = [step(32, 1024) for _ in range(48)]
+    assert tail[-1] is P
+    ramp = []
+    for batch in (40, 42, 44, 46, 48, 48):  # admissions between plain steps that read 1.4x
+        controller.on_other_step()
+        ramp += [step(batch, 256, slowdown=1.4) for _ in range(2)]
+    assert ramp.count(P) >= 11, ramp
+    steady = [step(48, 256 + i) for i in range(256)]  # then the table is right
+    assert steady.count(S) == 0, (steady.index(S), steady.count(S))
 
 
 # ------------------------------------------------------------------ acceptance formula
@@ -258,7 +334,9 @@ def test_feed_corrects_costs_from_device_times_and_agrees_every_n_steps():
         feed.on_step_device_time(P, 32, 1024, 2 * table.seconds(P, 32, 1024))
         feed.on_other_step()
     e = feed.before_decode(32, 1024, None)
-    assert len(sent) == 1 and e.costs.seconds(P, 32, 1024) > 1.5 * table.seconds(P, 32, 1024)
+    k = e.costs.prior_samples  # three samples at 2x, weighed against the table (nothing else ran)
+    assert len(sent) == 1
+    assert e.costs.seconds(P, 32, 1024) == pytest.approx(table.seconds(P, 32, 1024) * (3 * 2 + k) / (3 + k))
 
 
 def test_replay_estimates_plain_mode_acceptance_and_learns_its_bias():
