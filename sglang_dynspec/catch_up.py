@@ -37,7 +37,9 @@ When it runs (``worker.py``): before a speculative step whose batch has gaps (th
 resume), before a mixed prefill+decode step for its decoding requests, and in plain
 mode before a step at which a gap would outgrow the buffer (then every gap in the
 batch is flushed, so gaps restart together and the next flush is ``capacity`` steps
-away). The buffer never overflows. What stays stale: a request that finishes while
+away; or, with a flush budget, the largest gaps in pieces of that many positions,
+starting early enough that all are flushed in time: ``PlainGapLog.due_for_flush``).
+The buffer never overflows. What stays stale: a request that finishes while
 plain leaves fewer than ``capacity`` trailing positions unreplayed; a later request
 that reuses that prefix from the radix cache drafts from them (lower acceptance,
 never a wrong token: the target verifies every draft).
@@ -49,7 +51,7 @@ import contextlib
 import copy
 import itertools
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -104,6 +106,52 @@ class GapRows:
         return list(itertools.chain.from_iterable([i] * g for i, g in zip(self.pool_indices, self.gaps)))
 
 
+@dataclass(frozen=True)
+class GapIndex:
+    """:class:`GapRows` on the device, one entry per replayed position (request after
+    request) or per request.
+
+    Built from one host-to-device copy of the per-request values and expanded on the
+    device, so a catch-up's host work grows with its requests, not its positions: the
+    per-position Python lists it replaces took 3.4 ms for a flush of 64 requests x 128
+    positions and 7.4 ms for 128 x 128 on this project's CPU, inside a flush of 14.5 ms
+    of device time on the H200 (benchmarks/results/h200-20261203-d79b2bd/README.md).
+    """
+
+    slots: torch.Tensor  # [T] the req_to_token row of each position
+    cols: torch.Tensor  # [T] its column in the request's log (0 .. gap - 1)
+    positions: torch.Tensor  # [T] its position in the sequence (L - gap .. L - 1)
+    last: torch.Tensor  # [n] index of each request's last position among the T
+    pool_indices: torch.Tensor  # [n] each request's req_to_token row
+    committed_lens: torch.Tensor  # [n] each request's committed length L
+    rows: torch.Tensor  # [n] each request's row in the batch
+
+    @classmethod
+    def of(cls, gap_rows: GapRows, device) -> GapIndex:
+        per_request = to_device(
+            [gap_rows.pool_indices, gap_rows.gaps, gap_rows.committed_lens, gap_rows.rows],
+            torch.int64,
+            device,
+        )
+        pool_indices, gaps, lens, rows = per_request
+        total = gap_rows.num_tokens
+        ends = gaps.cumsum(0)
+        # output_size: the host knows the total, so the expansion does not read the device.
+        owner = torch.repeat_interleave(
+            torch.arange(len(gap_rows), device=gaps.device), gaps, output_size=total
+        )
+        cols = torch.arange(total, device=gaps.device) - (ends - gaps)[owner]
+        return cls(
+            slots=pool_indices[owner],
+            cols=cols,
+            positions=(lens - gaps)[owner] + cols,
+            last=ends - 1,
+            pool_indices=pool_indices,
+            committed_lens=lens,
+            rows=rows,
+        )
+
+
 class PlainGapLog:
     """Per request slot: the aux hidden states and tokens of positions decoded plain.
 
@@ -146,6 +194,33 @@ class PlainGapLog:
         """True if recording one more plain step would overflow some request's buffer."""
         return bool(pool_indices) and max(map(self.gap.__getitem__, pool_indices)) >= self.capacity
 
+    def due_for_flush(self, pool_indices: Sequence[int], budget: int = 0) -> list[int]:
+        """The slots whose gaps to flush before the next plain step (empty: none yet).
+
+        ``budget`` 0: every gap of the batch, once one would overflow. Else a flush
+        replays ``budget`` positions at most: it starts ``lead`` steps before a full
+        buffer, where ``lead`` flushes of ``budget // capacity`` full logs drain a batch
+        whose gaps all started together, and takes the largest gaps that have reached
+        that point (at least one; every full one, whatever the budget, so the buffer
+        never overflows: a budget under ``capacity * ceil(batch / capacity)`` cannot start
+        early enough, and the batch may grow faster than the lead allowed for).
+        """
+        capacity, gap = self.capacity, self.gap
+        largest = max(map(gap.__getitem__, pool_indices), default=0)
+        if budget <= 0 or budget >= len(pool_indices) * capacity:
+            return [i for i in pool_indices if gap[i]] if largest >= capacity else []
+        lead = -(-len(pool_indices) // max(1, budget // capacity))
+        start = max(1, capacity - lead + 1)
+        if largest < start:
+            return []
+        chosen, tokens = [], 0
+        for i in sorted((i for i in pool_indices if gap[i] >= start), key=gap.__getitem__, reverse=True):
+            if chosen and tokens + gap[i] > budget and gap[i] < capacity:
+                break
+            chosen.append(i)
+            tokens += gap[i]
+        return chosen
+
     def start_gaps(self, pool_indices: Sequence[int], positions: torch.Tensor) -> None:
         """Note where the gaps of the slots without one start: ``positions[i]`` (device)
         is the position request ``i`` is about to decode plain. Call before the step's
@@ -178,9 +253,13 @@ class PlainGapLog:
             gap[i] += 1
         idx = pool_indices_device.long()
         col = self._fill[idx]
-        self.hidden[idx, col] = hidden.to(self.hidden.dtype)
-        self.tokens[idx, col] = tokens.to(torch.int64)
-        self._fill[idx] = col + 1
+        # Flat row index_copy_ rather than ``hidden[idx, col] = ...``: one kernel either
+        # way on a GPU (the rows are distinct: one per request), and on the CPU test bed
+        # 0.02 ms instead of 8 ms per step at 64 requests (two-tensor index_put).
+        at = idx * self.capacity + col
+        self.hidden.view(-1, self.hidden.shape[-1]).index_copy_(0, at, hidden.to(self.hidden.dtype))
+        self.tokens.view(-1).index_copy_(0, at, tokens.to(torch.int64))
+        self._fill.index_copy_(0, idx, col + 1)
 
     def forget(self, pool_indices: Sequence[int], pool_indices_device: torch.Tensor | None = None) -> None:
         """Empty the logs of these slots (caught up, or freshly prefilled).
@@ -207,9 +286,15 @@ class PlainGapLog:
         copy, index = self._start[slot]
         return copy.read()[index] + self.gap[slot]
 
-    def gap_rows(self, pool_indices: Sequence[int], committed_lens: Sequence[int] | None = None) -> GapRows:
-        """The rows with a gap; ``committed_lens`` (by row) defaults to the log's own."""
-        rows = [r for r, i in enumerate(pool_indices) if self.gap[i]]
+    def gap_rows(
+        self,
+        pool_indices: Sequence[int],
+        committed_lens: Sequence[int] | None = None,
+        only: Collection[int] | None = None,
+    ) -> GapRows:
+        """The rows with a gap (of the slots in ``only``, if given); ``committed_lens``
+        (by row) defaults to the log's own."""
+        rows = [r for r, i in enumerate(pool_indices) if self.gap[i] and (only is None or i in only)]
         slots = [pool_indices[r] for r in rows]
         if committed_lens is None:
             lens = [self.committed_len(i) for i in slots]
@@ -217,11 +302,12 @@ class PlainGapLog:
             lens = [int(committed_lens[r]) for r in rows]
         return GapRows(rows=rows, pool_indices=slots, gaps=[self.gap[i] for i in slots], committed_lens=lens)
 
-    def gather(self, gap_rows: GapRows):
-        """# [num_tokens, width], [num_tokens]: the logged rows, request after request."""
-        cols = list(itertools.chain.from_iterable(range(g) for g in gap_rows.gaps))
-        index = to_device([gap_rows.token_slots(), cols], torch.int64, self.device)
-        return self.hidden[index[0], index[1]], self.tokens[index[0], index[1]]
+    def gather(self, gap_rows: GapRows, index: GapIndex | None = None):
+        """# [num_tokens, width], [num_tokens]: the logged rows, request after request
+        (``index``: ``gap_rows`` on the device, when the caller has it already)."""
+        index = index if index is not None else GapIndex.of(gap_rows, self.device)
+        at = index.slots * self.capacity + index.cols
+        return self.hidden.view(-1, self.hidden.shape[-1])[at], self.tokens.view(-1)[at]
 
 
 # Device memory left free after the log is allocated: SGLang has already sized its
@@ -253,33 +339,32 @@ def free_memory_note(device) -> str:
 
 
 def build_catch_up_batch(
-    batch: ScheduleBatch, gap_rows: GapRows, tokens: torch.Tensor, req_to_token: torch.Tensor
+    batch: ScheduleBatch,
+    gap_rows: GapRows,
+    tokens: torch.Tensor,
+    req_to_token: torch.Tensor,
+    index: GapIndex | None = None,
 ) -> ScheduleBatch:
     """A new EXTEND batch over the gaps of ``gap_rows`` (``batch`` is left untouched).
 
     Request ``k`` extends positions ``[L_k - g_k, L_k)`` with the logged input tokens
     (``tokens``, concatenated in request order) into the KV slots the target wrote
-    there. No logprobs, no spec input, no CUDA-graph eligibility flags.
+    there. No logprobs, no spec input, no CUDA-graph eligibility flags. ``index``:
+    ``gap_rows`` on the device, when the caller has it already.
     """
     n = len(gap_rows)
     device = batch.seq_lens.device
+    index = index if index is not None else GapIndex.of(gap_rows, device)
     prefix = [L - g for L, g in zip(gap_rows.committed_lens, gap_rows.gaps)]
-    rows = to_device(gap_rows.rows, torch.int64, device)
 
     ext = copy.copy(batch)  # shares pools and requests; every field below is rebound
     ext.forward_mode = ForwardMode.EXTEND
     ext.reqs = [batch.reqs[r] for r in gap_rows.rows]
-    ext.req_pool_indices = to_device(gap_rows.pool_indices, batch.req_pool_indices.dtype, device)
+    ext.req_pool_indices = index.pool_indices.to(batch.req_pool_indices.dtype)
     ext.input_ids = tokens
-    positions = to_device(
-        list(itertools.chain.from_iterable(range(p, L) for p, L in zip(prefix, gap_rows.committed_lens))),
-        torch.int64,
-        device,
-    )
-    slots = to_device(gap_rows.token_slots(), torch.int64, device)
-    ext.out_cache_loc = req_to_token[slots, positions].to(torch.int64)
+    ext.out_cache_loc = req_to_token[index.slots, index.positions].to(torch.int64)
     ext.seq_lens_cpu = torch.tensor(gap_rows.committed_lens, dtype=torch.int64)
-    ext.seq_lens = to_device(gap_rows.committed_lens, batch.seq_lens.dtype, device)
+    ext.seq_lens = index.committed_lens.to(batch.seq_lens.dtype)
     ext.seq_lens_sum = int(sum(gap_rows.committed_lens))
     ext.prefix_lens = prefix
     ext.extend_lens = list(gap_rows.gaps)
@@ -296,7 +381,7 @@ def build_catch_up_batch(
     ext.chunked_req = None
     ext.has_grammar = False
     ext.is_extend_in_batch = True
-    ext.sampling_info = slice_sampling_info(batch.sampling_info, rows)
+    ext.sampling_info = slice_sampling_info(batch.sampling_info, index.rows)
     # Fields some SGLang versions lack (compat.OPTIONAL_BATCH_FIELDS).
     compat.set_optional_batch_fields(
         ext,
@@ -465,6 +550,8 @@ class DraftCatchUp:
     width and dtype of the target's auxiliary hidden states, the two draft passes, and
     ``report``, which gets each catch-up with a device timer. With ``passes.top1`` each
     catch-up also compares the draft's proposals with the target's tokens (``replays``).
+    ``flush_tokens``: positions one buffer-full flush replays at most
+    (``PlainGapLog.due_for_flush``; 0: every gap of the batch at once).
     """
 
     enabled = True
@@ -477,8 +564,10 @@ class DraftCatchUp:
         hidden_dtype: torch.dtype,
         passes: DraftPasses,
         report: CatchUpReport,
+        flush_tokens: int = 0,
     ):
         self.req_to_token = req_to_token
+        self.flush_tokens = flush_tokens
         self.device = req_to_token.device
         self.passes = passes
         self.report = report
@@ -499,11 +588,13 @@ class DraftCatchUp:
         return self.log.nbytes
 
     def before_plain_step(self, batch: ScheduleBatch) -> None:
-        """If some request's log is full, catch every gap of the batch up; note where new
-        gaps start."""
+        """Flush the gaps that are due (``PlainGapLog.due_for_flush``: all of them once
+        one log is full, or, with ``flush_tokens``, the largest in pieces of that many
+        positions, early enough that none overflows); note where new gaps start."""
         slots = compat.request_pool_indices(batch.reqs)
-        if self.log.is_full(slots):
-            self._catch_up_decode_batch(batch, slots, CatchUpReason.BUFFER_FULL)
+        due = self.log.due_for_flush(slots, self.flush_tokens)
+        if due:
+            self._catch_up_decode_batch(batch, slots, CatchUpReason.BUFFER_FULL, only=set(due))
         # The pending token of each request sits at position seq_lens (fresh_batch).
         self.log.start_gaps(slots, batch.seq_lens)
         self._step = (slots, batch.req_pool_indices)
@@ -549,8 +640,10 @@ class DraftCatchUp:
         # drafted by this step, so later plain positions would not continue the gap.
         self.log.forget(slots, batch.req_pool_indices)
 
-    def _catch_up_decode_batch(self, batch: ScheduleBatch, slots: list[int], reason: CatchUpReason) -> None:
-        gap_rows = self.log.gap_rows(slots)
+    def _catch_up_decode_batch(
+        self, batch: ScheduleBatch, slots: list[int], reason: CatchUpReason, only: set[int] | None = None
+    ) -> None:
+        gap_rows = self.log.gap_rows(slots, only=only)
         if not len(gap_rows):
             return
         draft_input = batch.spec_info
@@ -568,12 +661,11 @@ class DraftCatchUp:
         per-request loop, no sampling). Either pass is also compared with the
         target's tokens when ``replays`` is on (module docstring)."""
         timer = DeviceTimer.start(self.device)
-        hidden, tokens = self.log.gather(gap_rows)
-        ext = build_catch_up_batch(batch, gap_rows, tokens, self.req_to_token)
+        index = GapIndex.of(gap_rows, self.device)
+        hidden, tokens = self.log.gather(gap_rows, index)
+        ext = build_catch_up_batch(batch, gap_rows, tokens, self.req_to_token, index)
         compared = self._compared_rows(gap_rows)
-        last_rows = None
-        if reason is CatchUpReason.BUFFER_FULL or compared:
-            last_rows = to_device(gap_rows.last_positions(), torch.int64, tokens.device)
+        last_rows = index.last if reason is CatchUpReason.BUFFER_FULL or compared else None
         with contextlib.ExitStack() as stack:
             seen = stack.enter_context(self.passes.top1.capture(compared[0])) if compared else None
             if reason is CatchUpReason.BUFFER_FULL:
@@ -614,10 +706,13 @@ class DraftCatchUp:
         self.replays.add((proposals.to(answers.dtype) == answers) & ~last[rows], positions)
 
 
-def new_catch_up(spec_worker, capacity: int, report: CatchUpReport, compare: bool = False) -> CatchUp:
+def new_catch_up(
+    spec_worker, capacity: int, report: CatchUpReport, compare: bool = False, flush_tokens: int = 0
+) -> CatchUp:
     """The catch-up of ``spec_worker`` with ``capacity`` positions per request (0: none);
     ``compare``: tally the draft's proposals against the target's tokens (``replays``;
-    left off for a draft model whose logits head ``compat.draft_top1`` cannot read)."""
+    left off for a draft model whose logits head ``compat.draft_top1`` cannot read);
+    ``flush_tokens``: positions one buffer-full flush replays at most (0: no limit)."""
     if not capacity:
         return NoCatchUp()
     return DraftCatchUp(
@@ -629,4 +724,5 @@ def new_catch_up(spec_worker, capacity: int, report: CatchUpReport, compare: boo
             *compat.draft_passes(spec_worker), compat.draft_top1(spec_worker) if compare else None
         ),
         report=report,
+        flush_tokens=flush_tokens,
     )

@@ -163,6 +163,13 @@ PLAIN_CUDA_GRAPH_ENV = "SGLANG_DYNSPEC_PLAIN_CUDA_GRAPH"
 REQUEST_MODES_ENV = "SGLANG_DYNSPEC_REQUEST_MODES"
 REQUEST_MODES_KEY = "spec_dynamic_step_modes"
 ENABLED_ENV = "SGLANG_DYNSPEC_ENABLED"
+# Positions one buffer-full flush of the draft catch-up replays at most (catch_up.py);
+# 0: every gap of the batch in one flush. On the H200 a flush of 64 requests x 128
+# positions took 14.5 ms of device time and set the plain mode's p99 ITL at 2-3x the
+# baseline's (benchmarks/results/h200-20261203-d79b2bd/README.md); smaller flushes
+# bound the stall but each costs a fixed part, so the default stays 0 until a device
+# call has compared them.
+FLUSH_TOKENS_ENV = "SGLANG_DYNSPEC_FLUSH_TOKENS"
 # Where the start-up step-cost tables are cached (cost_cache); "off" disables the cache.
 COST_CACHE_ENV = "SGLANG_DYNSPEC_COST_CACHE"
 
@@ -260,6 +267,8 @@ class Settings:
     speculation_bound: int | None = _set_by(DISABLE_THRESHOLD.describe())
     catch_up_tokens: int = _set_by(CATCH_UP_TOKENS.describe())  # 0: no draft catch-up
     penalties: str = _set_by(PENALTIES.describe())  # one of PENALTY_MODES
+    # Positions one buffer-full flush replays at most; 0: the whole batch's gaps at once
+    flush_tokens: int = _set_by(FLUSH_TOKENS_ENV)
     # False: plain steps run eagerly (saves the graph's memory)
     plain_cuda_graph: bool = _set_by(PLAIN_CUDA_GRAPH_ENV)
     # True: per-request step modes in meta_info (REQUEST_MODES_KEY)
@@ -330,6 +339,21 @@ def simulated_acceptance_from_environ(environ: Mapping[str, str] = os.environ) -
     return value
 
 
+def flush_tokens_from_environ(environ: Mapping[str, str] = os.environ) -> int:
+    """Positions one buffer-full flush replays at most (0: no limit); raise ConfigError
+    naming the variable."""
+    raw = environ.get(FLUSH_TOKENS_ENV, "").strip()
+    if raw == "":
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{FLUSH_TOKENS_ENV} must be a non-negative integer, got {raw!r}") from None
+    if value < 0:
+        raise ConfigError(f"{FLUSH_TOKENS_ENV} must be a non-negative integer, got {value}")
+    return value
+
+
 def settings_from_environ(environ: Mapping[str, str] = os.environ) -> Settings:
     """Read every plugin setting; raise ConfigError naming the first bad one."""
     policy = policy_from_environ(environ)
@@ -354,6 +378,7 @@ def settings_from_environ(environ: Mapping[str, str] = os.environ) -> Settings:
         else _default_thresholds(environ),
         speculation_bound=bound,
         catch_up_tokens=catch_up_tokens_from_environ(environ),
+        flush_tokens=flush_tokens_from_environ(environ),
         penalties=penalties_from_environ(environ),
         plain_cuda_graph=env_bool(PLAIN_CUDA_GRAPH_ENV, True, environ),
         request_modes=env_bool(REQUEST_MODES_ENV, False, environ),

@@ -217,6 +217,11 @@ class CostModel:
     host_samples: Mapping[tuple[Mode, int], int] = field(default_factory=dict)
     prior_samples: int = PRIOR_SAMPLES
 
+    def __post_init__(self) -> None:
+        # The decision reads every step and the model changes once per agreement: the
+        # weighed ratio of each bucket, once (``seconds``).
+        object.__setattr__(self, "_weighed", {})
+
     @classmethod
     def with_snapshot(cls, table: StepCostTable, snapshot: Mapping | None) -> CostModel:
         if not snapshot:
@@ -274,6 +279,12 @@ class CostModel:
         base = self.table.seconds(mode, batch_size, context_len)
         if base is None:
             return None
-        device = self.ratio(self.device_ratio, mode, batch_size, self.device_samples)
-        host = self.ratio(self.host_ratio, mode, batch_size, self.host_samples)
-        return base * max(1.0 if device is None else device, 0.0 if host is None else host)
+        key = (mode, bucket_of(batch_size))
+        weighed = self._weighed.get(key)
+        if weighed is None:
+            device = self.ratio(self.device_ratio, mode, batch_size, self.device_samples)
+            host = self.ratio(self.host_ratio, mode, batch_size, self.host_samples)
+            weighed = self._weighed[key] = max(
+                1.0 if device is None else device, 0.0 if host is None else host
+            )
+        return base * weighed

@@ -75,7 +75,11 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
         # A policy that uses estimates also gets the replays' draft-vs-target agreement.
         compare = self.controller.policy.needs_estimates
         self.catch_up = new_catch_up(
-            self, self.settings.catch_up_tokens, self.controller.on_catch_up, compare=compare
+            self,
+            self.settings.catch_up_tokens,
+            self.controller.on_catch_up,
+            compare=compare,
+            flush_tokens=self.settings.flush_tokens,
         )
         if self.catch_up.replays is not None:
             self.controller.set_replay_source(self.catch_up.replays.read_back)

@@ -171,6 +171,70 @@ def test_given_lengths_override_the_logs_own():
     assert log.gap_rows([0, 1, 2], [10, 11, 12]).committed_lens == [11]
 
 
+def _flush_schedule(bs: int, capacity: int, budget: int, steps: int, joins: dict[int, list[int]]):
+    """Drive ``PlainGapLog.due_for_flush`` over ``steps`` plain steps of ``bs`` request
+    slots (``joins``: step -> slots whose request is replaced by a new one, gap 0, as a
+    prefill would); return each flush as the gaps it replayed."""
+    log = PlainGapLog(bs, capacity, 1, torch.float32, "cpu")
+    slots, flushes = list(range(bs)), []
+    for step in range(steps):
+        for i in joins.get(step, ()):
+            log.gap[i] = 0
+        due = log.due_for_flush(slots, budget)
+        if due:
+            assert all(log.gap[i] for i in due)
+            flushes.append([log.gap[i] for i in due])
+            for i in due:
+                log.gap[i] = 0
+        assert not log.is_full(slots), (step, log.gap)  # the step can be recorded
+        for i in slots:
+            log.gap[i] += 1
+    return flushes
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    bs=st.integers(1, 64),
+    capacity=st.integers(1, 48),
+    budget=st.integers(0, 600),
+    steps=st.integers(1, 200),
+    joins=st.dictionaries(st.integers(0, 199), st.lists(st.integers(0, 63), max_size=8), max_size=30),
+)
+def test_flushes_keep_every_log_within_its_buffer_and_pieces_within_the_budget(
+    bs, capacity, budget, steps, joins
+):
+    joins = {t: [i for i in slots if i < bs] for t, slots in joins.items()}
+    flushes = _flush_schedule(bs, capacity, budget, steps, joins)
+    for gaps in flushes:
+        if 0 < budget < bs * capacity and len(gaps) > 1:
+            # A piece exceeds the budget only by gaps that were full.
+            assert sum(g for g in gaps if g < capacity) <= budget or max(gaps) == capacity, gaps
+
+
+@settings(max_examples=200, deadline=None)
+@given(bs=st.integers(1, 128), capacity=st.integers(1, 128), data=st.data())
+def test_gaps_that_started_together_are_flushed_in_pieces_of_the_budget(bs, capacity, data):
+    """A wave of requests admitted together fills every log at the same step: with a
+    budget that holds ceil(bs / capacity) full logs (a smaller one cannot start early
+    enough: a flush takes at least one request), no flush replays more than the budget,
+    and every position is replayed once."""
+    least = capacity * -(-bs // capacity)
+    budget = data.draw(st.integers(least, max(least, bs * capacity)), label="budget")
+    steps = 3 * capacity + 2
+    flushes = _flush_schedule(bs, capacity, budget, steps, {})
+    assert all(sum(gaps) <= budget for gaps in flushes), flushes
+    replayed = sum(map(sum, flushes))
+    assert replayed <= bs * steps and bs * steps - replayed <= bs * capacity  # the rest is still logged
+    if budget >= bs * capacity:  # no limit: as without a budget, all at once when one is full
+        assert flushes == _flush_schedule(bs, capacity, 0, steps, {})
+        assert all(gaps == [capacity] * bs for gaps in flushes)
+
+
+def test_without_a_budget_every_gap_is_flushed_once_one_log_is_full():
+    flushes = _flush_schedule(3, 4, 0, 10, {2: [1]})
+    assert flushes == [[4, 2, 4], [4, 4, 4]]  # slot 1 restarted at step 2: flushed with the rest
+
+
 # ------------------------------------------------------------------ catch-up batch
 PROPERTY_SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -338,6 +402,39 @@ def test_a_full_log_is_flushed_into_the_draft_kv_before_the_next_plain_step(case
     assert batch.spec_info.topk_index is draft_state  # a flush hands back no draft state
     assert reports == [(CatchUpReason.BUFFER_FULL, bs, 2 * bs)]
     assert [catch_up.log.gap[i] for i in batch.req_pool_indices.tolist()] == [1] * bs  # the new gaps
+
+
+@CATCH_UP_SETTINGS
+@given(case=spec_decode_cases(max_requests=4), budget=st.integers(1, 7), steps=st.integers(1, 12))
+def test_a_flush_budget_replays_every_position_once_in_pieces(case, budget, steps):
+    made = build_spec_decode_batch(case)
+    batch = made.batch
+    catch_up, passes, reports = draft_catch_up(made, case, capacity=4)
+    catch_up.flush_tokens = budget
+    start = batch.seq_lens.tolist()
+    logged = plain_steps(catch_up, batch, steps, torch.Generator().manual_seed(case.seed % 2**31))
+    catch_up.before_speculative_step(batch)
+
+    bs = case.batch_size
+    covered = {req.rid: [] for req in batch.reqs}  # (first position, tokens) of each replay
+    for call in passes.calls:
+        ext = call[1]
+        tokens = iter(ext.input_ids.tolist())
+        for req, prefix, n in zip(ext.reqs, ext.prefix_lens, ext.extend_lens):
+            covered[req.rid].append((prefix, [next(tokens) for _ in range(n)]))
+    for r, req in enumerate(batch.reqs):
+        positions, tokens = [], []
+        for prefix, got in covered[req.rid]:
+            positions += range(prefix, prefix + len(got))
+            tokens += got
+        # Every position decoded plain, once, in order, with the token logged there.
+        assert positions == list(range(start[r], start[r] + steps))
+        assert tokens == [int(logged[s][0][r]) for s in range(steps)]
+    flushes = [tokens for reason, _, tokens in reports if reason is CatchUpReason.BUFFER_FULL]
+    assert all(t <= max(budget, 4) for t in flushes), (flushes, budget)  # a full log is 4
+    assert [reason for reason, _, _ in reports][-1:] == (
+        [CatchUpReason.RESUME] if bs * steps > sum(flushes) else []
+    )
 
 
 @CATCH_UP_SETTINGS

@@ -44,6 +44,7 @@ from dynspec_testbed.server import (
     speculative_server_args,
 )
 from dynspec_testbed.workload import plugin_counters, random_requests, run_waves
+from sglang_dynspec.config import FLUSH_TOKENS_ENV
 
 pytestmark = pytest.mark.server
 
@@ -167,7 +168,15 @@ def run_dynamic_with_dumps(tiny_models, tmp_path, env, buffer):
     return outputs, counters, dumps_by_tokens(tmp_path)
 
 
-@pytest.mark.parametrize("scheduler_env", [CI_ENV, OVERLAP_CI_ENV], ids=["sync", "overlap"])
+# With a flush budget of two full logs, the six requests' gaps are flushed in pieces.
+FLUSH_IN_PIECES_ENV = {**OVERLAP_CI_ENV, FLUSH_TOKENS_ENV: str(2 * BUFFER)}
+
+
+@pytest.mark.parametrize(
+    "scheduler_env",
+    [CI_ENV, OVERLAP_CI_ENV, FLUSH_IN_PIECES_ENV],
+    ids=["sync", "overlap", "overlap-flushes-in-pieces"],
+)
 def test_draft_kv_after_catch_up_equals_always_speculating(
     tiny_models, eagle3_draft_kv, tmp_path, scheduler_env
 ):
@@ -179,6 +188,8 @@ def test_draft_kv_after_catch_up_equals_always_speculating(
 
     assert outputs == reference_outputs
     assert counters.catch_ups["resume"] >= 1 and counters.catch_ups["buffer_full"] >= 1, counters
+    if scheduler_env is FLUSH_IN_PIECES_ENV:  # in pieces of two logs: 8 positions, not 6 x 4
+        assert counters.catch_up_tokens <= 2 * BUFFER * sum(counters.catch_ups.values()), counters
     # No host sync in the plugin's step code: its own frames read no tensor to the host
     # during these steps (plain, speculative, resume and buffer-full catch-ups) except at
     # the host-mirror sites of host_reads.ALLOWED. The guard saw the plugin's frames: the

@@ -76,6 +76,19 @@ def test_bad_catch_up_buffer_size_names_the_flag(raw, accepted):
     assert CATCH_UP_TOKENS.option in msg and CATCH_UP_TOKENS.env in msg and accepted in msg
 
 
+@pytest.mark.parametrize("raw, expected", [(None, 0), ("", 0), ("0", 0), ("2048", 2048)])
+def test_flush_budget_defaults_to_none(raw, expected):
+    environ = {} if raw is None else {config.FLUSH_TOKENS_ENV: raw}
+    assert config.flush_tokens_from_environ(environ) == expected
+    assert config.settings_from_environ(environ).flush_tokens == expected
+
+
+@pytest.mark.parametrize("raw", ["-1", "x", "1.5"])
+def test_bad_flush_budget_names_the_variable(raw):
+    with pytest.raises(ConfigError, match=f"{config.FLUSH_TOKENS_ENV} must be a non-negative integer"):
+        config.settings_from_environ({config.FLUSH_TOKENS_ENV: raw})
+
+
 @pytest.mark.parametrize("n, m", [(8, 8), (8, 9), (8, 0)])
 def test_enable_threshold_must_be_between_1_and_disable(n, m):
     with pytest.raises(ConfigError) as e:
