@@ -140,16 +140,20 @@ FLAGS = (POLICY, DISABLE_THRESHOLD, ENABLE_THRESHOLD, MIN_DWELL, CATCH_UP_TOKENS
 SIMULATED_ACCEPTANCE_ENV = "SGLANG_SIMULATE_ACC_LEN"  # SGLang's own benchmark switch
 
 
+def _decimal(raw: str) -> int | None:
+    """``raw`` as a non-negative integer in plain decimal digits (the documented form),
+    or None. Python's ``int`` also takes signs, ``1_000`` and non-ASCII digits."""
+    raw = raw.strip()
+    return int(raw) if raw.isascii() and raw.isdigit() else None
+
+
 def _read_non_negative_int(flag: Flag, environ: Mapping[str, str]) -> int | None:
     raw = environ.get(flag.env)
     if raw is None or raw.strip() == "":
         return None
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise ConfigError(f"{flag.describe()} must be a non-negative integer, got {raw!r}") from None
-    if value < 0:
-        raise ConfigError(f"{flag.describe()} must be a non-negative integer, got {value}")
+    value = _decimal(raw)
+    if value is None:
+        raise ConfigError(f"{flag.describe()} must be a non-negative integer, got {raw!r}")
     return value
 
 
@@ -327,16 +331,24 @@ def penalties_from_environ(environ: Mapping[str, str] = os.environ) -> str:
 
 
 def simulated_acceptance_from_environ(environ: Mapping[str, str] = os.environ) -> float | None:
+    """SGLang's benchmark switch, read as SGLang reads it (``envs.SGLANG_SIMULATE_ACC_LEN``:
+    a Python float, default -1). Above 0 the verify simulates that many accepted tokens
+    per step, clamped to at least 1 (here) and at most the draft tokens (the controller,
+    which knows them); 0, a negative value (SGLang's "off") and NaN (not above 0) are
+    off: None. What ``float`` cannot read is refused, by name, as SGLang refuses it."""
     raw = environ.get(SIMULATED_ACCEPTANCE_ENV, "").strip()
     if raw == "":
         return None
     try:
         value = float(raw)
     except ValueError:
-        raise ConfigError(f"{SIMULATED_ACCEPTANCE_ENV} must be a number, got {raw!r}") from None
-    if value < 1:
-        raise ConfigError(f"{SIMULATED_ACCEPTANCE_ENV} must be at least 1 (the bonus token), got {value}")
-    return value
+        raise ConfigError(
+            f"{SIMULATED_ACCEPTANCE_ENV} must be a number (SGLang reads it as a float; 0 or less: off), "
+            f"got {raw!r}"
+        ) from None
+    if not value > 0:
+        return None
+    return max(1.0, value)
 
 
 def flush_tokens_from_environ(environ: Mapping[str, str] = os.environ) -> int:
@@ -345,12 +357,9 @@ def flush_tokens_from_environ(environ: Mapping[str, str] = os.environ) -> int:
     raw = environ.get(FLUSH_TOKENS_ENV, "").strip()
     if raw == "":
         return 0
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{FLUSH_TOKENS_ENV} must be a non-negative integer, got {raw!r}") from None
-    if value < 0:
-        raise ConfigError(f"{FLUSH_TOKENS_ENV} must be a non-negative integer, got {value}")
+    value = _decimal(raw)
+    if value is None:
+        raise ConfigError(f"{FLUSH_TOKENS_ENV} must be a non-negative integer, got {raw!r}")
     return value
 
 
@@ -361,7 +370,7 @@ def settings_from_environ(environ: Mapping[str, str] = os.environ) -> Settings:
     if policy == "goodput":
         if _read_non_negative_int(ENABLE_THRESHOLD, environ) is not None:
             raise ConfigError(
-                f"{ENABLE_THRESHOLD.option} has no meaning with {POLICY.option} goodput (it speculates "
+                f"{ENABLE_THRESHOLD.describe()} has no meaning with {POLICY.option} goodput (it speculates "
                 f"again when speculation pays); accepted with goodput: {DISABLE_THRESHOLD.option} "
                 "as a hard upper bound on the batch size that speculates, and "
                 f"{MIN_DWELL.option}; or use {POLICY.option} threshold"

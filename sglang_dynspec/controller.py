@@ -79,6 +79,12 @@ class ModeController:
             raise ValueError(f"{type(policy).__name__} needs an EstimateFeed")
         self._replays: ReplaySource | None = None
 
+    @property
+    def simulated_acceptance(self) -> float | None:
+        """The acceptance the policy takes from ``SGLANG_SIMULATE_ACC_LEN``, clamped as
+        SGLang's verify clamps it; None when not simulated or not read."""
+        return None if self._feed is None else self._feed.simulated_acceptance
+
     @classmethod
     def from_settings(
         cls,
@@ -99,10 +105,11 @@ class ModeController:
         the speculative configuration (``--speculative-num-steps``,
         ``--speculative-num-draft-tokens``)."""
         policy = build_policy(settings, max_acceptance=max_acceptance)
+        simulated = settings.simulated_acceptance
+        if simulated is not None:  # SGLang's verify accepts at most the draft tokens
+            simulated = min(simulated, max_acceptance)
         feed = (
-            EstimateFeed(
-                agree=agree, draft_steps=draft_steps, simulated_acceptance=settings.simulated_acceptance
-            )
+            EstimateFeed(agree=agree, draft_steps=draft_steps, simulated_acceptance=simulated)
             if policy.needs_estimates
             else None
         )

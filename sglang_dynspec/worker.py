@@ -60,12 +60,12 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
                 self.settings.penalties,
                 compat.SGLANG_VERSION,
             )
-            if self.controller.policy.needs_estimates and self.settings.simulated_acceptance is not None:
+            if self.controller.simulated_acceptance is not None:
                 logger.warning(
                     "[sglang-dynspec] acceptance simulated at %.2f tokens per speculative step "
                     "(SGLANG_SIMULATE_ACC_LEN; benchmarks only): the accept counters show it while "
                     "speculating, and the plain-mode estimate takes it",
-                    self.settings.simulated_acceptance,
+                    self.controller.simulated_acceptance,
                 )
 
     def init_cuda_graphs(self):
@@ -94,11 +94,14 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
         if self.catch_up.enabled and self._first_rank:
             logger.info(
                 "[sglang-dynspec] draft catch-up buffer: %d positions x %d requests, %.0f MiB (allocated "
-                "after the KV pool; %s)",
+                "after the KV pool; %s); buffer-full flushes %s",
                 self.settings.catch_up_tokens,
                 compat.request_pool_size(self),
                 self.catch_up.nbytes / 2**20,
                 free_memory_note(self.device),
+                f"in pieces of at most {self.settings.flush_tokens} positions ({config.FLUSH_TOKENS_ENV})"
+                if self.settings.flush_tokens
+                else "replay every gap of the batch at once",
             )
         if self._first_rank:
             warning = config.unreachable_bound_warning(self.settings, compat.max_running_requests(self))

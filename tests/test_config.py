@@ -6,6 +6,8 @@ import dataclasses
 import types
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sglang_dynspec import config, refusals
 from sglang_dynspec.config import (
@@ -222,3 +224,69 @@ def test_the_default_policy_is_goodput_and_threshold_stays_an_option():
     assert config.settings_from_environ({}).policy == "goodput"
     assert config.settings_from_environ({config.POLICY.env: "threshold"}).policy == "threshold"
     assert isinstance(config.build_policy(config.settings_from_environ({})), config.GoodputPolicy)
+
+
+# ------------------------------------------------------------------ bad input, any input
+ENV_NAMES = [flag.env for flag in config.FLAGS] + [
+    config.FLUSH_TOKENS_ENV,
+    config.PLAIN_CUDA_GRAPH_ENV,
+    config.REQUEST_MODES_ENV,
+    config.SIMULATED_ACCEPTANCE_ENV,
+]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    values=st.dictionaries(
+        st.sampled_from(ENV_NAMES),
+        st.one_of(
+            st.text(max_size=12),
+            st.integers(-5, 300).map(str),
+            st.sampled_from(["nan", "inf", "-inf", "1e3", "+4", "1_0", "\uff15", " 7 ", "0x10", "3.5"]),
+        ),
+        max_size=3,
+    )
+)
+def test_every_setting_either_reads_as_documented_or_names_its_flag(values):
+    """Whatever the environment holds, reading the settings either succeeds with values
+    of the documented kinds or raises a ConfigError naming a variable that was set."""
+    try:
+        s = config.settings_from_environ(values)
+    except ConfigError as e:
+        message = str(e)
+        options = {flag.env: flag.option for flag in config.FLAGS}
+        assert any(name in message or options.get(name, name) in message for name in values), (
+            values,
+            message,
+        )
+        return
+    assert s.policy in config.POLICIES and s.penalties in config.PENALTY_MODES
+    for number in (s.catch_up_tokens, s.flush_tokens, s.thresholds.min_dwell_steps):
+        assert isinstance(number, int) and number >= 0
+    assert 0 <= s.catch_up_tokens <= config.MAX_CATCH_UP_TOKENS
+    assert s.simulated_acceptance is None or s.simulated_acceptance >= 1  # never NaN
+    for name, raw in values.items():  # integers only as plain decimal digits
+        if (
+            name in (config.CATCH_UP_TOKENS.env, config.FLUSH_TOKENS_ENV, config.MIN_DWELL.env)
+            and raw.strip()
+        ):
+            assert raw.strip().isascii() and raw.strip().isdigit(), (name, raw)
+
+
+@pytest.mark.parametrize(
+    "raw, expected",
+    [("3", 3.0), ("0.5", 1.0), ("0", None), ("-1", None), ("nan", None), ("inf", float("inf"))],
+)
+def test_simulated_acceptance_is_read_as_sglang_reads_it(raw, expected):
+    assert config.simulated_acceptance_from_environ({config.SIMULATED_ACCEPTANCE_ENV: raw}) == expected
+
+
+def test_an_unreadable_simulated_acceptance_names_the_variable():
+    with pytest.raises(ConfigError, match=f"{config.SIMULATED_ACCEPTANCE_ENV} must be a number"):
+        config.settings_from_environ({config.SIMULATED_ACCEPTANCE_ENV: "three"})
+
+
+@pytest.mark.parametrize("raw", ["+4", "1_0", "\uff15", "4.0", "0x10"])
+def test_integers_are_read_in_plain_decimal_only(raw):
+    with pytest.raises(ConfigError, match="non-negative integer"):
+        catch_up_tokens_from_environ({CATCH_UP_TOKENS.env: raw})

@@ -552,6 +552,23 @@ def test_controller_builds_itself_from_settings():
         agree=lambda x: x,
     )
     assert isinstance(c.policy, GoodputPolicy) and c.policy.settings.max_acceptance == 4.0
+    assert c.simulated_acceptance is None
+
+
+@pytest.mark.parametrize(
+    "raw, expected", [("3", 3.0), ("inf", 4.0), ("0.5", 1.0), ("-1", None), ("nan", None)]
+)
+def test_a_simulated_acceptance_is_taken_as_sglangs_verify_clamps_it(raw, expected):
+    """At most the draft tokens, at least the bonus token; 0 or less, or NaN, is off."""
+    c = ModeController.from_settings(
+        config.settings_from_environ({config.SIMULATED_ACCEPTANCE_ENV: raw}),
+        first_rank=False,
+        metrics_enabled=False,
+        labels={},
+        agree=lambda x: x,
+        max_acceptance=4.0,
+    )
+    assert c.simulated_acceptance == expected
 
 
 # --------------------------------------------------------------------- state machine

@@ -257,11 +257,13 @@ def test_non_integer_flag_is_an_argparse_error_naming_it(plugin_loaded, clean_fl
         (["--enable-custom-logit-processor"], "--enable-custom-logit-processor"),
         (
             ["--speculative-dynamic-policy", "goodput", "--speculative-enable-batch-threshold", "4"],
-            "--speculative-enable-batch-threshold has no meaning with --speculative-dynamic-policy goodput",
+            "--speculative-enable-batch-threshold (environment variable SGLANG_DYNSPEC_ENABLE_BATCH_THRESHOLD) "
+            "has no meaning with --speculative-dynamic-policy goodput",
         ),
         (  # goodput is the default
             ["--speculative-enable-batch-threshold", "4"],
-            "--speculative-enable-batch-threshold has no meaning with --speculative-dynamic-policy goodput",
+            "--speculative-enable-batch-threshold (environment variable SGLANG_DYNSPEC_ENABLE_BATCH_THRESHOLD) "
+            "has no meaning with --speculative-dynamic-policy goodput",
         ),
         # DP attention is not here: SGLang's CPU platform resolves it off before the
         # plugin's check runs; test_config covers that message.

@@ -14,7 +14,13 @@
 #      C=64 load, summarized on the device (benchmarks/profiles/summarize_trace.py), and
 #      the kernels per decode step of dynamic against the baseline (--diff), in
 #      $OUT/profiles.md; the traces are not brought back (too large).
+#
+# CONFIGS picks the servers (default: baseline dynamic dynamic-t0); dynamic-pieces is
+# EAGLE3_DYNAMIC with its buffer-full flushes in pieces of FLUSH_TOKENS positions
+# (SGLANG_DYNSPEC_FLUSH_TOKENS, default 2048 here). WAVES: requests per point = WAVES x C
+# (default 2); PROFILE_CONFIGS="" skips the profiles.
 # Usage (on the device, repo root): SHAPE=8b PLUGIN_COMMIT=<sha> bash benchmarks/h200/offstate_attribution.sh
+#   e.g. the flush A/B: CONFIGS="baseline dynamic dynamic-pieces" WAVES=4 REPEATS=3 PROFILE_CONFIGS="" ...
 set -u
 source .gpu/device-env.sh || exit 1
 SHAPE=${SHAPE:-8b}
@@ -32,14 +38,20 @@ server_args() {
     baseline) echo --enable-metrics ;;
     dynamic) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
     dynamic-t0) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics --speculative-catch-up-tokens 0 ;;
+    dynamic-pieces) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
   esac
 }
 
 for cfg in ${CONFIGS:-baseline dynamic dynamic-t0}; do
+  if [ "$cfg" = dynamic-pieces ]; then
+    export SGLANG_DYNSPEC_FLUSH_TOKENS=${FLUSH_TOKENS:-2048}
+  else
+    unset SGLANG_DYNSPEC_FLUSH_TOKENS
+  fi
   # shellcheck disable=SC2046
   start_server "$cfg" $(server_args "$cfg") --log-level info || continue
   python3 -m sglang_dynspec.bench sweep "${BENCH[@]}" --config "$cfg" --concurrency "${C:-64,128}" \
-    --repeats "${REPEATS:-2}" --waves 2 --out "$RESULTS" 2> "$OUT/logs/sweep_$cfg.err" | tail -n 2
+    --repeats "${REPEATS:-2}" --waves "${WAVES:-2}" --out "$RESULTS" 2> "$OUT/logs/sweep_$cfg.err" | tail -n 2
   REQ_PER_C=8 python3 .gpu/client.py "$URL" 64 256 1 \
     | sed -u "s/^/{\"kind\": \"prefill_only\", \"config\": \"$cfg\", \"prompt_len\": 256, \"r\": /; s/\$/}/" | tee -a "$RESULTS"
   case " ${PROFILE_CONFIGS-baseline dynamic} " in *" $cfg "*)
