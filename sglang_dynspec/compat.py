@@ -99,7 +99,7 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
     HostSymbols(spec_registry, ("get_spec",)),
     HostSymbols(HookRegistry, ("register",)),
     HostSymbols(HookType, ("AFTER",)),
-    HostSymbols(ServerArgs, ("add_cli_args",)),
+    HostSymbols(ServerArgs, ("add_cli_args", "from_cli_args")),
     HostSymbols(overlap_utils, ("FutureMap",)),
     # Server arguments read by the plugin (plugin.py, refusals.unsupported_reason).
     HostSymbols(
@@ -108,6 +108,7 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
             "enable_metrics",
             "served_model_name",
             "model_path",
+            "speculative_algorithm",
             "speculative_draft_model_path",
             "speculative_draft_model_revision",
             "speculative_num_steps",
@@ -485,6 +486,20 @@ def register_cli_args_hook(add_arguments: Callable[[Any], None]) -> None:
 
     HookRegistry.register(
         "sglang.srt.server_args.ServerArgs.add_cli_args", after_add_cli_args, HookType.AFTER
+    )
+
+
+def register_parsed_args_hook(check: Callable[[Any, Any], None]) -> None:
+    """Call ``check(server_args, namespace)`` once the command line became ServerArgs
+    (``ServerArgs.from_cli_args``, both launchers): what the plugin must say about flags
+    it added whatever the algorithm."""
+
+    def after_from_cli_args(server_args, *args, **kwargs):
+        check(server_args, args[-1] if args else kwargs.get("args"))
+        return server_args
+
+    HookRegistry.register(
+        "sglang.srt.server_args.ServerArgs.from_cli_args", after_from_cli_args, HookType.AFTER
     )
 
 

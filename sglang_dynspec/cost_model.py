@@ -216,11 +216,11 @@ class CostModel:
     device_samples: Mapping[tuple[Mode, int], int] = field(default_factory=dict)
     host_samples: Mapping[tuple[Mode, int], int] = field(default_factory=dict)
     prior_samples: int = PRIOR_SAMPLES
-
-    def __post_init__(self) -> None:
-        # The decision reads every step and the model changes once per agreement: the
-        # weighed ratio of each bucket, once (``seconds``).
-        object.__setattr__(self, "_weighed", {})
+    # The decision reads every step and the model changes once per agreement: the
+    # weighed ratio of each (mode, bucket), worked out once (``seconds``).
+    _weighed: dict[tuple[Mode, int], float] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @classmethod
     def with_snapshot(cls, table: StepCostTable, snapshot: Mapping | None) -> CostModel:

@@ -58,6 +58,7 @@ def register() -> None:
     from sglang_dynspec import spec_class
 
     compat.register_cli_args_hook(add_cli_flags)
+    compat.register_parsed_args_hook(warn_flags_without_the_algorithm)
     spec_class.register_algorithm(
         config.ALGORITHM_NAME,
         validate_server_args=validate_server_args,
@@ -91,6 +92,26 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
             action=_env_writing_action(flag),
             help=flag.help,
             **kind,
+        )
+
+
+def warn_flags_without_the_algorithm(server_args, namespace) -> None:
+    """Warn, naming them, about plugin flags given with another speculative algorithm:
+    only EAGLE3_DYNAMIC reads them, so they would do nothing without a word."""
+    algorithm = getattr(server_args, "speculative_algorithm", None)
+    if algorithm == config.ALGORITHM_NAME or namespace is None:
+        return
+    given = [flag.option for flag in config.FLAGS if getattr(namespace, flag.dest, None) is not None]
+    if given:
+        logger.warning(
+            "[sglang-dynspec] %s given %s: %s only with --speculative-algorithm %s, so %s ignored",
+            ", ".join(given),
+            "without --speculative-algorithm"
+            if algorithm is None
+            else f"with --speculative-algorithm {algorithm}",
+            "these flags apply" if len(given) > 1 else "this flag applies",
+            config.ALGORITHM_NAME,
+            "they are" if len(given) > 1 else "it is",
         )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -226,6 +227,49 @@ def test_catch_up_flag_reaches_the_environment_and_is_checked_at_resolution(plug
     assert config.catch_up_tokens_from_environ() == 16
     with pytest.raises(ValueError, match="--speculative-catch-up-tokens .* between 0 and 4096"):
         _resolve(["--speculative-catch-up-tokens", "5000"])
+
+
+class _Records(logging.Handler):
+    """Keeps the records of one logger (SGLang's argument parsing reconfigures the root
+    logger's handlers, pytest's caplog among them)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.mark.parametrize(
+    "algorithm, warned", [("EAGLE3", True), (None, True), (config.ALGORITHM_NAME, False)]
+)
+def test_plugin_flags_with_another_algorithm_are_named_as_ignored(
+    plugin_loaded, clean_flag_env, algorithm, warned
+):
+    from sglang.srt.server_args import prepare_server_args
+
+    argv = ["--model-path", "m", "--speculative-catch-up-tokens", "16", "--speculative-min-dwell-steps", "4"]
+    if algorithm is not None:
+        argv += ["--speculative-algorithm", algorithm]
+    records, logger = _Records(), logging.getLogger("sglang_dynspec")
+    logger.addHandler(records)
+    try:
+        prepare_server_args(argv)
+    finally:
+        logger.removeHandler(records)
+    lines = [m for m in records.messages if "ignored" in m]
+    if warned:
+        [line] = lines
+        assert "--speculative-catch-up-tokens" in line and "--speculative-min-dwell-steps" in line
+        assert (
+            "without --speculative-algorithm"
+            if algorithm is None
+            else f"with --speculative-algorithm {algorithm}"
+        ) in line
+        assert f"only with --speculative-algorithm {config.ALGORITHM_NAME}" in line
+    else:
+        assert lines == []
 
 
 def test_negative_flag_is_an_argparse_error_naming_it(plugin_loaded, clean_flag_env, capsys):
