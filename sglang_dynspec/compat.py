@@ -664,6 +664,12 @@ def new_attention_backend(model_runner):
         model_runner.init_new_workspace = saved
 
 
+def target_decode(spec_worker):
+    """``run_target_decode`` bound to ``spec_worker``'s target (``plain_step.PlainDecoder``)."""
+    target_worker = spec_worker.target_worker
+    return functools.partial(run_target_decode, target_worker)
+
+
 def run_target_decode(target_worker, batch: ScheduleBatch, draft_input, capture_hidden: bool):
     """One plain forward + sampling of the target model on ``batch`` (the fresh plain
     batch), its result shaped as the v2 scheduler expects a speculative step's

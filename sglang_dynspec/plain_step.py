@@ -23,6 +23,7 @@ What the worker owes the scheduler, in both modes, and where this module pays it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,8 +42,33 @@ class PlainStep:
     aux_hidden: torch.Tensor | None  # [bs, 3H] the target's auxiliary hidden states (capture_hidden)
 
 
+# Runs the target's forward on a fresh plain batch and shapes its result as a speculative
+# step's: (plain batch, the speculative batch's draft input, capture_hidden) ->
+# (result, aux_hidden) (``compat.target_decode``).
+TargetDecode = Callable[[object, object, bool], tuple[object, "torch.Tensor | None"]]
+
+
+@dataclass(frozen=True)
+class PlainDecoder:
+    """What a plain step needs of the worker, as values: the request-to-token table
+    ``[pool_size, max_context]``, the target's model runner (whose graph a plain step
+    swaps in) and the target's forward, bound by compat (``of``)."""
+
+    req_to_token: torch.Tensor
+    model_runner: object
+    decode: TargetDecode
+
+    @classmethod
+    def of(cls, spec_worker) -> PlainDecoder:
+        return cls(
+            req_to_token=compat.request_to_token_table(spec_worker),
+            model_runner=spec_worker.target_worker.model_runner,
+            decode=compat.target_decode(spec_worker),
+        )
+
+
 def run_plain_decode(
-    spec_worker,
+    decoder: PlainDecoder,
     batch,
     plain_graph: PlainGraph | None = None,
     grammar_barrier=None,
@@ -54,12 +80,9 @@ def run_plain_decode(
     states (the draft catch-up logs them). The caller publishes the new sequence
     lengths (``result.new_seq_lens``) under the overlap scheduler, exactly once.
     """
-    plain = build_plain_decode_batch(batch, compat.request_to_token_table(spec_worker))
+    plain = build_plain_decode_batch(batch, decoder.req_to_token)
     if batch.has_grammar and grammar_barrier is not None:
         grammar_barrier()
-    target_worker = spec_worker.target_worker
-    with using_plain_graph(target_worker.model_runner, plain_graph):
-        result, aux_hidden = compat.run_target_decode(
-            target_worker, plain, batch.spec_info, capture_hidden=capture_hidden
-        )
+    with using_plain_graph(decoder.model_runner, plain_graph):
+        result, aux_hidden = decoder.decode(plain, batch.spec_info, capture_hidden)
     return PlainStep(result, plain.input_ids, aux_hidden)

@@ -34,7 +34,7 @@ import torch
 
 from sglang_dynspec import compat, config
 from sglang_dynspec.device_timer import DeviceTimer
-from sglang_dynspec.plain_step import run_plain_decode
+from sglang_dynspec.plain_step import PlainDecoder, run_plain_decode
 
 logger = logging.getLogger("sglang_dynspec")
 
@@ -239,8 +239,10 @@ def pipelined_step_seconds(step: Callable[[], object], device, *, warmup: int, r
 def _mode_steps(spec_worker, plain_graph, synthetic, last: dict) -> dict[str, Callable[[], None]]:
     """One step of each mode on ``synthetic``'s batch; each keeps its result in ``last``."""
 
+    decoder = PlainDecoder.of(spec_worker)
+
     def plain():
-        last["plain"] = run_plain_decode(spec_worker, synthetic.next_batch(), plain_graph).result
+        last["plain"] = run_plain_decode(decoder, synthetic.next_batch(), plain_graph).result
 
     def spec():
         last["spec"] = compat.run_speculative_decode(spec_worker, synthetic.next_batch())

@@ -20,7 +20,7 @@ from sglang_dynspec.catch_up import NoCatchUp, free_memory_note, new_catch_up
 from sglang_dynspec.controller import ModeController
 from sglang_dynspec.cost_model import StepCost
 from sglang_dynspec.plain_graph import PlainGraphKeeper
-from sglang_dynspec.plain_step import run_plain_decode
+from sglang_dynspec.plain_step import PlainDecoder, run_plain_decode
 from sglang_dynspec.policy import Mode
 
 logger = logging.getLogger("sglang_dynspec")
@@ -49,6 +49,7 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
             device=str(self.device),
         )
         self.catch_up = NoCatchUp()  # allocated in init_cuda_graphs, once the KV pools exist
+        self.plain_decoder: PlainDecoder | None = None  # from init_cuda_graphs, with the KV pools
         self.plain_graph_keeper = None  # PlainGraphKeeper, from init_cuda_graphs; None: eager plain steps
         self._last_step_plain = False
         if first_rank:
@@ -74,6 +75,7 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
         # are captured with it in place.
         # A policy that uses estimates also gets the replays' draft-vs-target agreement.
         compare = self.controller.policy.needs_estimates
+        self.plain_decoder = PlainDecoder.of(self)
         self.catch_up = new_catch_up(
             self,
             self.settings.catch_up_tokens,
@@ -168,7 +170,9 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
         if mode is Mode.PLAIN:
             self.catch_up.before_plain_step(batch)
             graph = self.plain_graph_keeper.graph if self.plain_graph_keeper is not None else None
-            step = run_plain_decode(self, batch, graph, grammar_barrier, capture_hidden=self.catch_up.enabled)
+            step = run_plain_decode(
+                self.plain_decoder, batch, graph, grammar_barrier, capture_hidden=self.catch_up.enabled
+            )
             self.catch_up.after_plain_step(step.input_ids, step.aux_hidden)
             out = step.result
             if on_publish is not None:

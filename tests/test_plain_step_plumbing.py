@@ -15,6 +15,7 @@ import torch
 from sglang_dynspec import compat
 from sglang_dynspec.compat import spec_shaped_result
 from sglang_dynspec.plain_graph import PlainGraph, using_plain_graph
+from sglang_dynspec.plain_step import PlainDecoder, run_plain_decode
 
 
 def fake_runner():
@@ -42,6 +43,51 @@ def test_without_a_plain_graph_the_forward_runs_eagerly():
     with using_plain_graph(runner, None):
         assert runner.decode_cuda_graph_runner is None and runner.attn_backend == "verify-backend"
     assert runner.decode_cuda_graph_runner == "verify-graph"
+
+
+@pytest.mark.parametrize("grammar", [False, True])
+def test_a_plain_step_runs_the_bound_forward_on_a_fresh_batch_inside_the_plain_graph(grammar):
+    import schedule_batches
+
+    case = schedule_batches.SpecDecodeCase(
+        prompt_lens=(5, 9, 3),
+        output_lens=(2, 4, 1),
+        greedy=(True, False, True),
+        return_logprob=(False, True, False),
+        num_draft_tokens=4,
+        topk=1,
+        num_steps=3,
+        hidden_size=8,
+        extra_pool_rows=2,
+        host_mirror=True,
+        overlap=True,
+        leftover_verify_tensors=True,
+        bonus_dtype=torch.int32,
+        seed=5,
+    )
+    made = schedule_batches.build_spec_decode_batch(case)
+    batch = made.batch
+    batch.has_grammar = grammar
+    before = schedule_batches.snapshot(batch)
+    runner = fake_runner()
+    graph = PlainGraph(runner="plain-graph", attn_backend="plain-backend", memory_bytes=0)
+    seen, order = [], []
+
+    def decode(plain, draft_input, capture_hidden):
+        order.append("forward")
+        seen.append((plain, draft_input, capture_hidden, runner.decode_cuda_graph_runner))
+        return "result", "aux"
+
+    decoder = PlainDecoder(req_to_token=made.req_to_token, model_runner=runner, decode=decode)
+    step = run_plain_decode(decoder, batch, graph, lambda: order.append("barrier"), capture_hidden=True)
+
+    [(plain, draft_input, capture_hidden, graph_runner)] = seen
+    assert order == (["barrier", "forward"] if grammar else ["forward"])
+    assert plain is not batch and plain.input_ids.tolist() == batch.spec_info.bonus_tokens.tolist()
+    assert draft_input is batch.spec_info and capture_hidden and graph_runner == "plain-graph"
+    assert runner.decode_cuda_graph_runner == "verify-graph"  # swapped back
+    assert (step.result, step.aux_hidden) == ("result", "aux") and step.input_ids is plain.input_ids
+    assert schedule_batches.differences(batch, before) == []
 
 
 def test_plain_result_is_spec_shaped_and_carries_the_draft_state():

@@ -226,6 +226,7 @@ def test_measure_step_costs_warms_up_every_batch_size_then_times_each_point(monk
     monkeypatch.setattr(step_timing.compat, "synthetic_decode_batch", synthetic_decode_batch)
     monkeypatch.setattr(step_timing.compat, "run_speculative_decode", spec)
     monkeypatch.setattr(step_timing, "run_plain_decode", plain)
+    monkeypatch.setattr(step_timing, "PlainDecoder", types.SimpleNamespace(of=lambda worker: worker))
     worker = types.SimpleNamespace(device="cpu")
     samples = step_timing.measure_step_costs(
         worker,
