@@ -84,6 +84,33 @@ _UNSUPPORTED = (
         "the plain decode graph would re-initialise the LoRA decode-graph metadata the verify graph shares",
     ),
     (
+        "dp_size",
+        lambda v: v is not None and v > 1,
+        "--dp-size",
+        "each data-parallel replica's scheduler would export the same sglang:spec_dynamic_* series to "
+        "/metrics, overwriting the others'",
+    ),
+    (
+        "attn_cp_size",
+        lambda v: v is not None and v > 1,
+        "--attn-cp-size",
+        "context parallelism splits a request's KV across ranks; the plain step and the draft catch-up "
+        "address it one token at a time on one rank",
+    ),
+    (
+        "page_size",
+        lambda v: v is not None and v > 1,
+        "--page-size",
+        "the plain step and the draft catch-up are built and tested for one token per KV page",
+    ),
+    (
+        "enable_return_hidden_states",
+        bool,
+        "--enable-return-hidden-states",
+        "a plain step captures the target's auxiliary hidden states for the draft, so the hidden states "
+        "returned would change with the mode",
+    ),
+    (
         "enable_custom_logit_processor",
         bool,
         "--enable-custom-logit-processor",

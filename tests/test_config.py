@@ -133,6 +133,10 @@ def test_bad_boolean_environment_variable_is_refused():
         (dict(enable_lora=True), "--enable-lora"),
         (dict(lora_paths=["adapter=/m/a"]), "--lora-paths"),
         (dict(enable_custom_logit_processor=True), "--enable-custom-logit-processor"),
+        (dict(dp_size=2), "--dp-size"),
+        (dict(attn_cp_size=2), "--attn-cp-size"),
+        (dict(page_size=16), "--page-size"),
+        (dict(enable_return_hidden_states=True), "--enable-return-hidden-states"),
     ],
 )
 def test_unsupported_setups_are_named(attrs, option):
@@ -144,7 +148,15 @@ def test_unsupported_setups_are_named(attrs, option):
 
 
 def test_supported_setup_has_no_reason():
-    args = types.SimpleNamespace(pp_size=1, enable_dp_attention=False, enable_two_batch_overlap=False)
+    args = types.SimpleNamespace(
+        pp_size=1,
+        enable_dp_attention=False,
+        enable_two_batch_overlap=False,
+        dp_size=1,
+        attn_cp_size=1,
+        page_size=1,
+        enable_return_hidden_states=False,
+    )
     assert refusals.unsupported_reason(args) is None
 
 
