@@ -125,7 +125,12 @@ POLICY = Flag(
     choices=POLICIES,
 )
 PENALTY_MODES = ("exact", "relaxed")
-DEFAULT_PENALTIES = "exact"
+# relaxed by default: with exact, one request with a penalty makes its whole decode batch
+# plain, so any client could switch speculation off for every other (up to 1.9x slower
+# at one request on the H200, BENCHMARKS.md); relaxed gives penalised requests EAGLE-3's
+# own per-step penalties while speculating, what a stock EAGLE-3 server gives them
+# always. exact stays an opt-in for outputs that must match a non-speculative server's.
+DEFAULT_PENALTIES = "relaxed"
 PENALTIES = Flag(
     "--speculative-penalties",
     "SGLANG_DYNSPEC_PENALTIES",

@@ -176,6 +176,9 @@ class ModeController:
                 steps_before = dict(self.stats.decode_steps)
                 for sink in self._sinks:
                     sink.on_switch(switch, steps_before)
+            if mode is Mode.SPEC and needs_per_token_penalties:
+                for sink in self._sinks:
+                    sink.on_relaxed_penalty_step()
         if self._feed is not None:
             self._feed.after_decision(mode, batch_size, context_len)
             self._step = (mode, batch_size, context_len, self._start_timer())

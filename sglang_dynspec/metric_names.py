@@ -31,6 +31,7 @@ STEP_SECONDS_GAUGE = "sglang:spec_dynamic_step_seconds"
 STEP_COST_CORRECTION_GAUGE = "sglang:spec_dynamic_step_cost_correction"
 PROBE_STEPS_COUNTER = "sglang:spec_dynamic_probe_steps"  # label "mode"
 PENALTY_PLAIN_COUNTER = "sglang:spec_dynamic_penalty_plain_steps"
+RELAXED_PENALTY_COUNTER = "sglang:spec_dynamic_relaxed_penalty_steps"
 
 # Label values.
 MODES = ("spec", "plain")  # label "mode" of STEPS_COUNTER, "to" of SWITCHES_COUNTER
@@ -93,6 +94,11 @@ HELP = {
     PENALTY_PLAIN_COUNTER: (
         "Decode steps EAGLE3_DYNAMIC ran plain, whatever its policy said, because a request of "
         "the batch has frequency, presence or repetition penalties (--speculative-penalties exact)."
+    ),
+    RELAXED_PENALTY_COUNTER: (
+        "Speculative decode steps of EAGLE3_DYNAMIC whose batch had a request with frequency, "
+        "presence or repetition penalties: that request got EAGLE-3's per-step penalties "
+        "(--speculative-penalties relaxed, the default)."
     ),
     STEP_SECONDS_GAUGE: (
         "EAGLE3_DYNAMIC: device seconds of one decode step timed at start-up, by mode, batch size "

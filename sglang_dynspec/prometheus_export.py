@@ -91,6 +91,7 @@ class PrometheusExport(TelemetrySink):
             )
 
         self._penalty_plain_steps = counter(names.PENALTY_PLAIN_COUNTER).labels(**labels)
+        self._relaxed_penalty_steps = counter(names.RELAXED_PENALTY_COUNTER).labels(**labels)
         probes = counter(names.PROBE_STEPS_COUNTER, "mode")
         self._probe_steps = {m: probes.labels(**labels, mode=m.value) for m in Mode}
         self._acceptance = gauge(names.ACCEPTANCE_GAUGE, ["source"])
@@ -123,6 +124,9 @@ class PrometheusExport(TelemetrySink):
 
     def on_penalty_plain_step(self) -> None:
         self._penalty_plain_steps.inc()
+
+    def on_relaxed_penalty_step(self) -> None:
+        self._relaxed_penalty_steps.inc()
 
     def on_probe_step(self, mode: Mode) -> None:
         self._probe_steps[mode].inc()

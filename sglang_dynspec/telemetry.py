@@ -57,6 +57,10 @@ class TelemetrySink:
         """The decode step about to run is plain because a request needs per-token
         penalties (``--speculative-penalties exact``), not by the policy."""
 
+    def on_relaxed_penalty_step(self) -> None:
+        """The decode step about to run speculates although a request needs per-token
+        penalties (``--speculative-penalties relaxed``): it gets EAGLE-3's per-step ones."""
+
     def on_probe_step(self, mode: Mode) -> None:
         """The decode step just run was part of a probe (the policy measuring ``mode``)."""
 
@@ -77,6 +81,7 @@ class StepStats(TelemetrySink):
     resume_accepted_tokens: int = 0
     probe_steps: dict[Mode, int] = field(default_factory=lambda: dict.fromkeys(Mode, 0))
     penalty_plain_steps: int = 0  # plain because a request needs per-token penalties
+    relaxed_penalty_steps: int = 0  # speculative with such a request (per-step penalties)
 
     @property
     def total_decode_steps(self) -> int:
@@ -91,6 +96,9 @@ class StepStats(TelemetrySink):
 
     def on_penalty_plain_step(self) -> None:
         self.penalty_plain_steps += 1
+
+    def on_relaxed_penalty_step(self) -> None:
+        self.relaxed_penalty_steps += 1
 
     def on_probe_step(self, mode: Mode) -> None:
         self.probe_steps[mode] += 1

@@ -178,8 +178,8 @@ def test_request_modes_value_is_checked():
         config.settings_from_environ({config.REQUEST_MODES_ENV: "maybe"})
 
 
-@pytest.mark.parametrize("raw, expected", [(None, "exact"), ("exact", "exact"), ("Relaxed", "relaxed")])
-def test_penalties_default_to_exact(raw, expected):
+@pytest.mark.parametrize("raw, expected", [(None, "relaxed"), ("exact", "exact"), ("Relaxed", "relaxed")])
+def test_penalties_default_to_relaxed(raw, expected):
     environ = {} if raw is None else {config.PENALTIES.env: raw}
     assert config.settings_from_environ(environ).penalties == expected
 
@@ -192,8 +192,8 @@ def test_bad_penalties_value_names_the_flag_and_the_choices():
 
 
 def test_penalties_that_differ_between_ranks_are_named():
-    exact = config.settings_from_environ({})
-    relaxed = config.settings_from_environ({config.PENALTIES.env: "relaxed"})
+    exact = config.settings_from_environ({config.PENALTIES.env: "exact"})
+    relaxed = config.settings_from_environ({})
     message = config.settings_disagreement([exact, relaxed])
     assert "--speculative-penalties" in message and "rank 0: exact, rank 1: relaxed" in message
 

@@ -143,3 +143,23 @@ def test_a_required_plain_step_leaves_the_policy_as_it_was():
     assert c.before_decode(2) is Mode.SPEC
     # Above the threshold the policy itself goes plain (and that is a switch).
     assert c.before_decode(100) is Mode.PLAIN and c.stats.switches[Mode.PLAIN] == 1
+
+
+def test_relaxed_penalties_speculate_and_count_the_steps_that_applied_them_per_step():
+    """With relaxed penalties (the default) the policy decides alone; a speculative step
+    whose batch has a penalised request is counted (it got EAGLE-3's per-step
+    penalties), a plain one is not."""
+    registry = CollectorRegistry()
+    c = ModeController(
+        ThresholdPolicy(SwitchThresholds(disable_above=3, enable_at_or_below=1, min_dwell_steps=0)),
+        [PrometheusExport({"model_name": "m"}, registry)],
+        exact_penalties=False,
+    )
+    modes = []
+    for batch in (2, 2, 5, 5, 1):
+        mode = c.before_decode(batch, needs_per_token_penalties=True)
+        c.after_decode(mode)
+        modes.append(mode)
+    assert modes == [Mode.SPEC, Mode.SPEC, Mode.PLAIN, Mode.PLAIN, Mode.SPEC]
+    assert c.stats.relaxed_penalty_steps == 3 and c.stats.penalty_plain_steps == 0
+    assert registry.get_sample_value(names.total(names.RELAXED_PENALTY_COUNTER), {"model_name": "m"}) == 3
