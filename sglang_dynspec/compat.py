@@ -396,6 +396,15 @@ OPTIONAL_BATCH_FIELDS = frozenset(
 )
 
 
+def weight_storages(model_runner) -> tuple:
+    """Where the runner's model keeps each parameter and buffer: ``(name, data pointer,
+    shape, dtype)``. A captured CUDA graph reads these addresses, so an update that leaves
+    them all in place (it wrote into the same storage) leaves the graph valid."""
+    model = model_runner.model
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    return tuple((name, t.data_ptr(), tuple(t.shape), t.dtype) for name, t in tensors)
+
+
 def keep_draft_graphs_on_recapture(spec_worker) -> int:
     """Backport 0.5.23's recapture rule to the draft runners: a weight update with
     ``recapture_cuda_graph=True`` recaptures a draft runner's decode graph only if it

@@ -136,41 +136,59 @@ def using_plain_graph(model_runner, plain_graph: PlainGraph | None) -> Iterator[
 class PlainGraphKeeper:
     """Holds the plain decode graph and keeps it in step with the target's weights.
 
-    A captured graph reads the weight tensors it was captured with. SGLang recaptures
-    its own decode graph after ``update_weights_from_disk(recapture_cuda_graph=True)``;
-    the plain graph is the plugin's, so after any weight update (disk, tensor,
-    distributed, IPC) it is dropped, and plain steps run eagerly, with the current
-    weights, until a disk update with recapture recaptures it here too. The target's
-    ``weight_updater`` is wrapped (:class:`_WeightUpdateWatch`) to see the updates.
+    A captured graph reads the weight tensors it was captured with, at their addresses.
+    After a weight update (disk, tensor, distributed, IPC) that wrote into the same
+    storage (``compat.weight_storages`` unchanged: the usual case for in-place loading,
+    whatever API carried the weights) the graph stays; after one that moved a tensor,
+    or failed, it is dropped, and plain steps run eagerly, with the current weights,
+    until a disk update with ``recapture_cuda_graph=True`` (SGLang recaptures its own
+    graphs then) recaptures it here too. The target's ``weight_updater`` is wrapped
+    (:class:`_WeightUpdateWatch`) to see the updates.
     """
 
     def __init__(self, model_runner, capture_hidden: bool, capture=capture_plain_graph):
         self._runner, self._capture_hidden, self._capture = model_runner, capture_hidden, capture
         self.graph: PlainGraph | None = capture(model_runner, capture_hidden=capture_hidden)
         self.weight_updates = 0
+        self._storages: tuple | None = None  # where the weights were before the update in flight
         if self.graph is not None:
-            model_runner.weight_updater = _WeightUpdateWatch(model_runner.weight_updater, self._after_update)
+            model_runner.weight_updater = _WeightUpdateWatch(
+                model_runner.weight_updater, self._before_update, self._after_update
+            )
+
+    def _before_update(self) -> None:
+        self._storages = compat.weight_storages(self._runner) if self.graph is not None else None
 
     def _after_update(self, method: str, succeeded: bool, recapture: bool) -> None:
         self.weight_updates += 1
+        before, self._storages = self._storages, None
         if recapture and succeeded:
             self.graph = None  # release the old graph's memory before capturing the new one
             self.graph = self._capture(self._runner, capture_hidden=self._capture_hidden)
             logger.info("[sglang-dynspec] plain decode graph recaptured after %s", method)
         elif self.graph is not None:
+            if succeeded and before is not None and compat.weight_storages(self._runner) == before:
+                logger.info(
+                    "[sglang-dynspec] target weights updated in place (%s): the plain decode graph reads "
+                    "them there and stays",
+                    method,
+                )
+                return
             self.graph = None
             logger.warning(
-                "[sglang-dynspec] target weights changed (%s): plain decode steps run without their CUDA "
+                "[sglang-dynspec] target weights %s (%s): plain decode steps run without their CUDA "
                 "graph until a weight update with recapture_cuda_graph=True recaptures it",
+                "moved to new storage" if succeeded else "update failed",
                 method,
             )
 
 
 class _WeightUpdateWatch:
-    """The target's weight updater, unchanged, with a callback after every ``update_weights_from_*``."""
+    """The target's weight updater, unchanged, with callbacks before and after every
+    ``update_weights_from_*``."""
 
-    def __init__(self, inner, after_update):
-        self._inner, self._after_update = inner, after_update
+    def __init__(self, inner, before_update, after_update):
+        self._inner, self._before_update, self._after_update = inner, before_update, after_update
 
     def __getattr__(self, name):
         attr = getattr(self._inner, name)
@@ -178,6 +196,7 @@ class _WeightUpdateWatch:
             return attr
 
         def update(*args, **kwargs):
+            self._before_update()
             result = attr(*args, **kwargs)
             succeeded = bool(result[0]) if isinstance(result, tuple) and result else True
             self._after_update(name, succeeded, bool(kwargs.get("recapture_cuda_graph", False)))

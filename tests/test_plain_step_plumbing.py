@@ -138,17 +138,24 @@ def test_war_barrier_runner_follows_the_last_step():
 
 
 class FakeWeightUpdater:
-    """Stands in for SGLang's frozen WeightUpdater: records calls, returns (ok, message)."""
+    """Stands in for SGLang's frozen WeightUpdater: records calls, returns (ok, message).
+    A tensor update writes into the model's parameters; a disk update gives the model a
+    new parameter (new storage), as a loader that rebuilds a tensor does."""
 
-    def __init__(self):
-        self.calls, self.tp_rank = [], 0
+    def __init__(self, model=None):
+        self.calls, self.tp_rank, self.model = [], 0, model
 
     def update_weights_from_disk(self, model_path, load_format, recapture_cuda_graph=False):
         self.calls.append(("disk", recapture_cuda_graph))
+        if self.model is not None:
+            self.model.weight = torch.nn.Parameter(self.model.weight.detach() + 1)
         return True, "ok"
 
     def update_weights_from_tensor(self, recv_req):
         self.calls.append(("tensor", None))
+        if self.model is not None:
+            with torch.no_grad():
+                self.model.weight.add_(1)
         return True, "ok"
 
     def update_weights_from_distributed(self, names, dtypes, shapes, group_name, load_format=None):
@@ -165,23 +172,28 @@ def test_weight_updates_drop_the_plain_graph_until_a_recapture():
         captures.append(capture_hidden)
         return PlainGraph(runner=f"graph-{len(captures)}", attn_backend="b", memory_bytes=0)
 
-    inner = FakeWeightUpdater()
-    runner = types.SimpleNamespace(weight_updater=inner)
+    model = torch.nn.Linear(4, 4)
+    inner = FakeWeightUpdater(model)
+    runner = types.SimpleNamespace(weight_updater=inner, model=model)
     keeper = PlainGraphKeeper(runner, capture_hidden=True, capture=capture)
     assert keeper.graph.runner == "graph-1"
     assert runner.weight_updater.tp_rank == 0  # everything else reads through
 
+    # Written in place: the graph reads the new values where it always read them.
     assert runner.weight_updater.update_weights_from_tensor("req") == (True, "ok")
-    assert keeper.graph is None  # new weights: plain steps run eagerly
+    assert keeper.graph.runner == "graph-1"
+    # A tensor moved: the graph would read the old storage, so plain steps run eagerly.
     assert runner.weight_updater.update_weights_from_disk("/m", "auto", recapture_cuda_graph=False)[0]
+    assert keeper.graph is None
+    assert runner.weight_updater.update_weights_from_tensor("req")[0]  # eager stays eager
     assert keeper.graph is None
     assert runner.weight_updater.update_weights_from_disk("/m", "auto", recapture_cuda_graph=True)[0]
     assert keeper.graph.runner == "graph-2" and captures == [True, True]
-    # A failed update (the weights may be half-written) also drops the graph.
+    # A failed update (the weights may be half-written) drops the graph too.
     assert runner.weight_updater.update_weights_from_distributed("n", "d", "s", "g") == (False, "failed")
     assert keeper.graph is None
-    assert [c[0] for c in inner.calls] == ["tensor", "disk", "disk", "distributed"]
-    assert keeper.weight_updates == 4
+    assert [c[0] for c in inner.calls] == ["tensor", "disk", "tensor", "disk", "distributed"]
+    assert keeper.weight_updates == 5
 
 
 def test_without_cuda_graphs_nothing_is_wrapped():
