@@ -193,7 +193,7 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
         ),
     ),
     HostSymbols(WeightUpdater, ("recapture_cuda_graph",)),
-    HostSymbols(ModelConfig, ("dtype",)),
+    HostSymbols(ModelConfig, ("dtype", "is_hybrid_swa", "linear_attn_registry_result")),
     HostSymbols(BaseRunner, ("return_hidden_states_mode",)),
     HostSymbols(DecodeCudaGraphRunner, ("max_bs",)),
     HostSymbols(CaptureHiddenMode, ("FULL", "LAST", "NULL")),
@@ -396,6 +396,13 @@ OPTIONAL_BATCH_FIELDS = frozenset(
 )
 
 
+def target_attention_kinds(spec_worker) -> tuple[bool, bool]:
+    """``(hybrid sliding-window attention, linear-attention layers)`` of the target, as
+    SGLang's ModelConfig derives them (``refusals.target_model_error``)."""
+    model_config = spec_worker.target_worker.model_runner.model_config
+    return bool(model_config.is_hybrid_swa), model_config.linear_attn_registry_result is not None
+
+
 def weight_storages(model_runner) -> tuple:
     """Where the runner's model keeps each parameter and buffer: ``(name, data pointer,
     shape, dtype)``. A captured CUDA graph reads these addresses, so an update that leaves
@@ -550,6 +557,10 @@ def accept_counters(batch: ScheduleBatch) -> list[tuple[object, int, int]]:
 
 def metrics_enabled(server_args) -> bool:
     return bool(getattr(server_args, "enable_metrics", False))
+
+
+def model_path(server_args) -> str:
+    return str(server_args.model_path)
 
 
 def served_model_name(server_args) -> str:

@@ -135,6 +135,27 @@ def unsupported_reason(server_args: Any) -> str | None:
     return None
 
 
+def target_model_error(model_path: str, hybrid_swa: bool, linear_attention: bool) -> str | None:
+    """Refuse a target whose KV is not one full-attention pool: the plain step writes
+    and the draft catch-up replays one full-attention KV slot per token; hybrid models
+    keep sliding-window or recurrent state beside it, which neither updates."""
+    kinds = [
+        kind
+        for kind, present in (
+            ("hybrid sliding-window attention", hybrid_swa),
+            ("linear-attention (Mamba, GDN) layers", linear_attention),
+        )
+        if present
+    ]
+    if not kinds:
+        return None
+    return (
+        f"--model-path {model_path}: a target with {' and '.join(kinds)} is not supported with "
+        f"--speculative-algorithm {ALGORITHM_NAME} (its plain step and draft catch-up address one "
+        "full-attention KV pool, one slot per token); use --speculative-algorithm EAGLE3"
+    )
+
+
 def draft_architecture_error(draft_path: str | None, architectures: list | None) -> str | None:
     """Check that the draft is an EAGLE-3 model; return an error message or None."""
     if not draft_path:

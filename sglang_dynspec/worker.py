@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-from sglang_dynspec import compat, config, cost_cache, step_timing
+from sglang_dynspec import compat, config, cost_cache, refusals, step_timing
 from sglang_dynspec.catch_up import NoCatchUp, free_memory_note, new_catch_up
 from sglang_dynspec.controller import ModeController
 from sglang_dynspec.cost_model import StepCost
@@ -31,6 +31,11 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
 
     def __init__(self, server_args, *args, **kwargs):
         super().__init__(server_args, *args, **kwargs)
+        error = refusals.target_model_error(
+            compat.model_path(server_args), *compat.target_attention_kinds(self)
+        )
+        if error:
+            raise config.ConfigError(error)
         self.settings = config.settings_from_environ()
         # Every rank read its own environment: refuse, on every rank alike, settings that differ.
         disagreement = config.settings_disagreement(compat.gather_across_tensor_parallel_ranks(self.settings))

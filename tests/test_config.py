@@ -147,6 +147,33 @@ def test_unsupported_setups_are_named(attrs, option):
     assert reason is not None and option in reason and "EAGLE3_DYNAMIC" in reason
 
 
+@pytest.mark.parametrize(
+    "hybrid_swa, linear, named",
+    [
+        (True, False, ["hybrid sliding-window attention"]),
+        (False, True, ["linear-attention (Mamba, GDN) layers"]),
+        (True, True, ["hybrid sliding-window attention", "linear-attention"]),
+    ],
+)
+def test_hybrid_targets_are_refused_naming_the_model(hybrid_swa, linear, named):
+    error = refusals.target_model_error("/m/target", hybrid_swa, linear)
+    assert error.startswith("--model-path /m/target: a target with ") and "EAGLE3_DYNAMIC" in error
+    assert all(kind in error for kind in named)
+    assert refusals.target_model_error("/m/target", False, False) is None
+
+
+def test_the_target_attention_kinds_are_read_from_sglangs_model_config():
+    from sglang_dynspec import compat
+
+    def worker(is_hybrid_swa, linear):
+        model_config = types.SimpleNamespace(is_hybrid_swa=is_hybrid_swa, linear_attn_registry_result=linear)
+        runner = types.SimpleNamespace(model_config=model_config)
+        return types.SimpleNamespace(target_worker=types.SimpleNamespace(model_runner=runner))
+
+    assert compat.target_attention_kinds(worker(False, None)) == (False, False)
+    assert compat.target_attention_kinds(worker(True, ("spec", "cfg"))) == (True, True)
+
+
 def test_supported_setup_has_no_reason():
     args = types.SimpleNamespace(
         pp_size=1,
