@@ -229,6 +229,62 @@ def test_draft_kv_without_catch_up_differs_where_decoded_plain(tiny_models, eagl
     assert all(len(bad) >= BUFFER for bad in long_stale), long_stale
 
 
+def within_limit(records: dict[tuple[int, ...], dict], requests) -> dict[tuple[int, ...], dict]:
+    """The records of ``requests``, each cut at its prompt plus max_new_tokens: with a
+    tree draft, SGLang's EAGLE3 can hold a token past the limit in ``output_ids`` when
+    it releases a request's KV (not in its response), one more than the dump of the
+    same request on a server that ended it with a plain step."""
+    cut = {}
+    for tokens, record in records.items():
+        [request] = [r for r in requests if tokens[: len(r.input_ids)] == r.input_ids]
+        n = len(request.input_ids) + request.max_new_tokens
+        cut[tokens[:n]] = {**record, "k": record["k"][:, : n - 1], "v": record["v"][:, : n - 1]}
+    return cut
+
+
+def test_draft_kv_with_a_tree_draft_equals_always_speculating(tiny_models, tmp_path):
+    """Top-k 4 (a tree of 8 draft tokens) on both servers: the catch-up writes the draft
+    KV rows an always-speculating EAGLE3 server writes, at every position of the long
+    requests and at all but the stale tail of the short ones, which finish plain."""
+    tree = dict(steps=3, topk=4, draft_tokens=8)
+    reference_dir, dynamic_dir = tmp_path / "eagle3", tmp_path / "dynamic"
+    reference_dir.mkdir()
+    dynamic_dir.mkdir()
+    reference_outputs, _ = outputs_and_counters(
+        speculative_server_args("EAGLE3", tiny_models, extra=COMMON, **tree),
+        reference_dir / "server.log",
+        {**CI_ENV, DUMP_DIR_ENV: str(reference_dir)},
+        KV_WAVES,
+    )
+    outputs, counters = outputs_and_counters(
+        dynamic_server_args(
+            tiny_models,
+            disable_above=3,
+            dwell=0,
+            extra=["--speculative-catch-up-tokens", BUFFER, *COMMON],
+            **tree,
+        ),
+        dynamic_dir / "server.log",
+        {**CI_ENV, DUMP_DIR_ENV: str(dynamic_dir)},
+        KV_WAVES,
+    )
+
+    assert outputs == reference_outputs
+    assert counters.catch_ups["resume"] >= 1 and counters.catch_ups["buffer_full"] >= 1, counters
+    workload = LONG + SHORT
+    mine = {t: r for t, r in dumps_by_tokens(dynamic_dir).items() if started_as(t, workload)}
+    theirs = {t: r for t, r in dumps_by_tokens(reference_dir).items() if started_as(t, workload)}
+    kv, reference_kv = within_limit(mine, workload), within_limit(theirs, workload)
+    assert len(kv) == len(workload) and set(kv) == set(reference_kv)
+    for tokens, record in kv.items():
+        bad = kv_mismatches(record, reference_kv[tokens])
+        positions = record["k"].shape[1]
+        if is_long(tokens):
+            assert bad == [], f"long request ({positions} positions): draft KV differs at {bad}"
+        else:  # finished while plain: at most the last BUFFER positions were never replayed
+            assert all(p >= positions - BUFFER for p in bad), (positions, bad)
+
+
 def test_draft_kv_with_mixed_chunks_equals_always_speculating(tiny_models, tmp_path):
     """Mixed prefill+decode steps (the third catch-up point): prompts join while four
     requests decode in plain mode. Where each request's last buffer stands when a chunk
