@@ -285,25 +285,26 @@ def test_draft_kv_with_a_tree_draft_equals_always_speculating(tiny_models, tmp_p
             assert all(p >= positions - BUFFER for p in bad), (positions, bad)
 
 
-def test_draft_kv_with_mixed_chunks_equals_always_speculating(tiny_models, tmp_path):
+@pytest.mark.parametrize("scheduler_env", [CI_ENV, OVERLAP_CI_ENV], ids=["sync", "overlap"])
+def test_draft_kv_with_mixed_chunks_equals_always_speculating(tiny_models, tmp_path, scheduler_env):
     """Mixed prefill+decode steps (the third catch-up point): prompts join while four
     requests decode in plain mode. Where each request's last buffer stands when a chunk
     mixes in depends on timing, so every request is held to the weaker bound: all
-    positions but its last BUFFER equal the EAGLE3 server's."""
+    positions but its last BUFFER equal the EAGLE3 server's (run with the same scheduler)."""
     reference_dir, dynamic_dir = tmp_path / "eagle3", tmp_path / "dynamic"
     reference_dir.mkdir()
     dynamic_dir.mkdir()
     reference_outputs, _ = outputs_and_counters(
         eagle3_args(tiny_models),
         reference_dir / "server.log",
-        {**CI_ENV, DUMP_DIR_ENV: str(reference_dir)},
+        {**scheduler_env, DUMP_DIR_ENV: str(reference_dir)},
         workload=join_while_decoding,
     )
     mixed = ["--enable-mixed-chunk", "--chunked-prefill-size", 32]
     outputs, counters = outputs_and_counters(
         dynamic_args(tiny_models, BUFFER, extra=mixed),
         dynamic_dir / "server.log",
-        {**CI_ENV, DUMP_DIR_ENV: str(dynamic_dir)},
+        {**scheduler_env, DUMP_DIR_ENV: str(dynamic_dir)},
         workload=join_while_decoding,
     )
 
