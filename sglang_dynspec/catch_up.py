@@ -101,10 +101,6 @@ class GapRows:
         """Index of each request's last replayed position, request after request."""
         return list(itertools.accumulate(self.gaps, initial=-1))[1:]
 
-    def token_slots(self) -> list[int]:
-        """The ``req_to_token`` row of each replayed position, request after request."""
-        return list(itertools.chain.from_iterable([i] * g for i, g in zip(self.pool_indices, self.gaps)))
-
 
 @dataclass(frozen=True)
 class GapIndex:

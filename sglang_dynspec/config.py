@@ -126,8 +126,8 @@ POLICY = Flag(
 )
 PENALTY_MODES = ("exact", "relaxed")
 # relaxed by default: with exact, one request with a penalty makes its whole decode batch
-# plain, so any client could switch speculation off for every other (up to 1.9x slower
-# at one request on the H200, BENCHMARKS.md); relaxed gives penalised requests EAGLE-3's
+# plain, so any client could switch speculation off for every other (EAGLE-3 gave 1.94x
+# the baseline at one request on the H200, BENCHMARKS.md, 2026-12-01); relaxed gives penalised requests EAGLE-3's
 # own per-step penalties while speculating, what a stock EAGLE-3 server gives them
 # always. exact stays an opt-in for outputs that must match a non-speculative server's.
 DEFAULT_PENALTIES = "relaxed"
@@ -152,14 +152,20 @@ def _decimal(raw: str) -> int | None:
     return int(raw) if raw.isascii() and raw.isdigit() else None
 
 
-def _read_non_negative_int(flag: Flag, environ: Mapping[str, str]) -> int | None:
-    raw = environ.get(flag.env)
+def _non_negative_int(environ: Mapping[str, str], name: str, described: str) -> int | None:
+    """The variable ``name`` as a non-negative integer, None when unset or empty; else a
+    ConfigError that names it as ``described``."""
+    raw = environ.get(name)
     if raw is None or raw.strip() == "":
         return None
     value = _decimal(raw)
     if value is None:
-        raise ConfigError(f"{flag.describe()} must be a non-negative integer, got {raw!r}")
+        raise ConfigError(f"{described} must be a non-negative integer, got {raw!r}")
     return value
+
+
+def _read_non_negative_int(flag: Flag, environ: Mapping[str, str]) -> int | None:
+    return _non_negative_int(environ, flag.env, flag.describe())
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -359,13 +365,8 @@ def simulated_acceptance_from_environ(environ: Mapping[str, str] = os.environ) -
 def flush_tokens_from_environ(environ: Mapping[str, str] = os.environ) -> int:
     """Positions one buffer-full flush replays at most (0: no limit); raise ConfigError
     naming the variable."""
-    raw = environ.get(FLUSH_TOKENS_ENV, "").strip()
-    if raw == "":
-        return 0
-    value = _decimal(raw)
-    if value is None:
-        raise ConfigError(f"{FLUSH_TOKENS_ENV} must be a non-negative integer, got {raw!r}")
-    return value
+    value = _non_negative_int(environ, FLUSH_TOKENS_ENV, FLUSH_TOKENS_ENV)
+    return 0 if value is None else value
 
 
 def settings_from_environ(environ: Mapping[str, str] = os.environ) -> Settings:
