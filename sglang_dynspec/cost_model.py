@@ -176,20 +176,14 @@ class CostCorrections:
         }
 
 
-def _parse(ratios: Mapping[str, float]) -> dict[tuple[Mode, int], float]:
+def _parse(entries: Mapping[str, float | int], kind: str | None = None, convert=float) -> dict:
+    """A snapshot's ``"mode:bucket"`` keys (``"kind:mode:bucket"`` where ``kind`` is
+    given: only that kind's) as ``(Mode, bucket)``, values through ``convert``."""
     out = {}
-    for key, ratio in ratios.items():
-        mode, bucket = key.split(":")
-        out[(Mode(mode), int(bucket))] = float(ratio)
-    return out
-
-
-def _parse_samples(samples: Mapping[str, int], kind: str) -> dict[tuple[Mode, int], int]:
-    out = {}
-    for key, n in samples.items():
-        k, mode, bucket = key.split(":")
-        if k == kind:
-            out[(Mode(mode), int(bucket))] = int(n)
+    for key, value in entries.items():
+        *prefix, mode, bucket = key.split(":")
+        if prefix == ([] if kind is None else [kind]):
+            out[(Mode(mode), int(bucket))] = convert(value)
     return out
 
 
@@ -231,8 +225,8 @@ class CostModel:
             table,
             _parse(snapshot.get("device", {})),
             _parse(snapshot.get("host", {})),
-            _parse_samples(samples, "device"),
-            _parse_samples(samples, "host"),
+            _parse(samples, "device", int),
+            _parse(samples, "host", int),
         )
 
     def ratio(
