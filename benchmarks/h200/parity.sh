@@ -21,8 +21,10 @@ python3 -m dynspec_testbed.models "$M" > /dev/null || exit 1
 export MODEL=$M/target
 source benchmarks/h200/lib.sh
 TINY=(--load-format auto --dtype bfloat16 --enable-deterministic-inference)
+# The threshold policy, named: the default (goodput) decodes this random pair plain from the
+# start (acceptance 1), which leaves no speculative or mixed request to compare.
 DYNAMIC=(--speculative-algorithm EAGLE3_DYNAMIC --speculative-draft-model-path "$M/draft"
-  --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4
+  --speculative-dynamic-policy threshold --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4
   --speculative-disable-batch-threshold 8 --speculative-min-dwell-steps 0 --enable-metrics)
 P=benchmarks/h200/parity.py
 metrics() { curl -s "$URL/metrics" | grep -E "spec_dynamic_(decode_steps|switches|catch_ups|plain_graph_steps)_total" | grep -v "^#"; }
@@ -54,4 +56,6 @@ for sched in overlap sync; do
   done
   grep -E "Traceback|Error" "$OUT/server_dynamic-$sched.log" | head -5
 done
+# A call returns at most 8 files: responses, metrics and logs go back as one archive.
+(cd "$OUT" && tar -cJf parity.tar.xz ./*.json metrics-*.txt server_*.log && rm -f ./*.json metrics-*.txt server_*.log)
 exit $status
