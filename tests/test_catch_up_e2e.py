@@ -64,7 +64,11 @@ KV_WAVES = [LONG + SHORT]
 # decode (plain: above the threshold of 3) and, once the server has run some plain
 # steps, three prompts longer than the 32-token prefill chunk join, so their chunks
 # are prefilled in mixed steps beside requests whose gaps are not empty.
-MIX_DECODING = random_requests(4, seed=41, prefix="mixdec", new_tokens=(80, 80))
+# The decoding wave lasts 200 plain steps so that the joining prompts reach the scheduler
+# while it decodes even on a loaded machine: with 80 (about 2 s on the test bed) a run of
+# the whole suite once saw the joining wave prefilled only after the decoding wave ended,
+# so no step mixed.
+MIX_DECODING = random_requests(4, seed=41, prefix="mixdec", new_tokens=(200, 200))
 MIX_JOINING = random_requests(3, seed=42, prefix="mixjoin", prompt_len=(40, 70), new_tokens=(20, 20))
 COUNT_WAVES = [
     random_requests(1, seed=31, prefix="alone", new_tokens=(30, 30)),
