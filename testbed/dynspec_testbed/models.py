@@ -18,6 +18,11 @@
   (``--speculative-num-steps 1``). Unlike the agree pair, the right proposal
   depends on the position, so a draft that resumes from stale state proposes a
   wrong token: the pair shows whether the draft state is current.
+* ``DIR/target-wide`` and ``DIR/draft-wide``: the random pair's shape with
+  SGLang's test vocabulary (``WIDE_VOCAB`` = 32,000 ids) and context
+  (``WIDE_POSITIONS``), for SGLang's own test kits, which send token ids up to
+  31,999 and prompts of 8,000 tokens. The tokenizer is ``target``'s plus one added
+  token per id past it (``<w512>`` ...), so every id the model emits decodes.
 * ``DIR/target-update``: a weight update for ``target`` (for
   ``/update_weights_from_disk``): new random weights for decoder layers 1 and up
   only. SGLang loads an update's path into the EAGLE draft as well; the draft has
@@ -49,10 +54,14 @@ if TYPE_CHECKING:
 TARGET, DRAFT, TARGET_AGREE, DRAFT_AGREE = "target", "draft", "target-agree", "draft-agree"
 TARGET_COUNT, DRAFT_COUNT = "target-count", "draft-count"
 TARGET_UPDATE = "target-update"
-MODEL_NAMES = (TARGET, DRAFT, TARGET_AGREE, DRAFT_AGREE, TARGET_COUNT, DRAFT_COUNT, TARGET_UPDATE)
+TARGET_WIDE, DRAFT_WIDE = "target-wide", "draft-wide"
+MODEL_NAMES = (
+    TARGET, DRAFT, TARGET_AGREE, DRAFT_AGREE, TARGET_COUNT, DRAFT_COUNT, TARGET_UPDATE,
+    TARGET_WIDE, DRAFT_WIDE,
+)  # fmt: skip
 
 # Bump when anything below changes, so existing test-bed directories are rebuilt.
-BUILD_VERSION = "3"
+BUILD_VERSION = "4"
 MARKER_FILE = ".testbed-models-complete"
 SEED = 0
 
@@ -73,6 +82,12 @@ class TinyLlamaShape:
 
 
 SHAPE = TinyLlamaShape()
+
+# The wide pair (SGLang's test kits): the vocabulary of the Llama-2 tokenizer the kits
+# were written for (their radix-cache test draws ids up to 31,999) and room for their
+# 8,000-token prompt.
+WIDE_VOCAB = 32_000
+WIDE_POSITIONS = 16_384
 
 # Target layers whose hidden states feed the draft's ``fc``. SGLang captures the
 # *input* of layer ``id + 1`` (models/llama.py), so ids must be <= num_layers - 2:
@@ -120,6 +135,7 @@ def build_models(root) -> dict[str, Path]:
     _save_target(target, tokenizer, paths[TARGET_COUNT])
     _save_draft(_count_draft_weights(draft_weights, embeddings), draft_config, tokenizer, paths[DRAFT_COUNT])
     _save_weight_update(paths[TARGET], paths[TARGET_UPDATE])
+    _build_wide_pair(tokenizer, paths[TARGET_WIDE], paths[DRAFT_WIDE])
 
     marker.write_text(BUILD_VERSION)
     return paths
@@ -172,7 +188,7 @@ def _train_tokenizer() -> "PreTrainedTokenizerFast":
 def _llama_config(tokenizer, **extra) -> "LlamaConfig":
     from transformers import LlamaConfig
 
-    return LlamaConfig(
+    settings = dict(
         vocab_size=SHAPE.vocab_size,
         hidden_size=SHAPE.hidden_size,
         intermediate_size=SHAPE.intermediate_size,
@@ -185,14 +201,14 @@ def _llama_config(tokenizer, **extra) -> "LlamaConfig":
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
-        **extra,
     )
+    return LlamaConfig(**{**settings, **extra})
 
 
-def _random_target(tokenizer) -> "LlamaForCausalLM":
+def _random_target(tokenizer, **extra) -> "LlamaForCausalLM":
     from transformers import LlamaForCausalLM
 
-    config = _llama_config(tokenizer, num_hidden_layers=SHAPE.num_layers, initializer_range=0.1)
+    config = _llama_config(tokenizer, num_hidden_layers=SHAPE.num_layers, initializer_range=0.1, **extra)
     return LlamaForCausalLM(config).to(torch.float32)
 
 
@@ -218,27 +234,29 @@ def _save_weight_update(target: Path, path: Path) -> None:
             shutil.copy(item, path / item.name)
 
 
-def _draft_config(tokenizer) -> "LlamaConfig":
+def _draft_config(tokenizer, vocab_size: int = SHAPE.vocab_size, **extra) -> "LlamaConfig":
     return _llama_config(
         tokenizer,
+        vocab_size=vocab_size,
         num_hidden_layers=1,
         architectures=["LlamaForCausalLMEagle3"],
-        draft_vocab_size=SHAPE.vocab_size,
+        draft_vocab_size=vocab_size,
         target_hidden_size=SHAPE.hidden_size,
         eagle_config={
             "eagle_aux_hidden_state_layer_ids": list(AUX_LAYER_IDS),
             "use_aux_hidden_state": True,
         },
+        **extra,
     )
 
 
-def _random_draft_weights() -> dict[str, torch.Tensor]:
+def _random_draft_weights(vocab: int = SHAPE.vocab_size) -> dict[str, torch.Tensor]:
     """One EAGLE-3 decoder layer in the public checkpoint key layout.
 
     The layer's attention reads ``[input embedding, hidden state]`` concatenated,
     hence the 2 * hidden input width of q/k/v.
     """
-    hidden, inter, vocab = SHAPE.hidden_size, SHAPE.intermediate_size, SHAPE.vocab_size
+    hidden, inter = SHAPE.hidden_size, SHAPE.intermediate_size
     q_width, kv_width = SHAPE.num_heads * SHAPE.head_dim, SHAPE.num_kv_heads * SHAPE.head_dim
 
     def random(*shape):
@@ -265,6 +283,21 @@ def _random_draft_weights() -> dict[str, torch.Tensor]:
         "d2t": torch.zeros(vocab, dtype=torch.int64),
         "t2d": torch.ones(vocab, dtype=torch.bool),
     }
+
+
+def _build_wide_pair(tokenizer, target_path: Path, draft_path: Path) -> None:
+    """The random pair's shape with WIDE_VOCAB ids and WIDE_POSITIONS positions; the
+    tokenizer gets one added token per id it lacks, so any id the model emits decodes."""
+    import copy
+
+    wide = copy.deepcopy(tokenizer)
+    wide.add_tokens([f"<w{i}>" for i in range(len(wide), WIDE_VOCAB)])
+    wide.model_max_length = WIDE_POSITIONS
+    if len(wide) != WIDE_VOCAB:
+        raise RuntimeError(f"wide tokenizer has {len(wide)} tokens, not {WIDE_VOCAB}")
+    shape = dict(vocab_size=WIDE_VOCAB, max_position_embeddings=WIDE_POSITIONS)
+    _save_target(_random_target(wide, **shape), wide, target_path)
+    _save_draft(_random_draft_weights(WIDE_VOCAB), _draft_config(wide, **shape), wide, draft_path)
 
 
 def _save_draft(weights, config: "LlamaConfig", tokenizer, path: Path) -> None:

@@ -80,6 +80,9 @@ class CpuServer:
         env: extra environment variables (e.g. ``SGLANG_DYNSPEC_TESTBED_OVERLAP``). The
             plugin's step-cost cache is off unless this or the caller's environment
             names one (``SGLANG_DYNSPEC_COST_CACHE``).
+        port: the 127.0.0.1 port to serve on (default: a free one, chosen again if
+            another process takes it first); for callers whose clients expect a fixed
+            URL, such as SGLang's test kits.
         startup_timeout: seconds to wait for ``/health_generate``.
         stop_timeout: seconds to wait after SIGTERM before SIGKILL.
     """
@@ -92,12 +95,14 @@ class CpuServer:
         env: Mapping[str, str] | None = None,
         startup_timeout: float = 300.0,
         stop_timeout: float = 30.0,
+        port: int | None = None,
     ):
         args = [str(a) for a in server_args]
         owned = {a.split("=", 1)[0] for a in args} & {"--host", "--port"}
         if owned:
             raise ValueError(f"CpuServer chooses {sorted(owned)} itself; remove them")
-        self.port = _free_port()
+        self._fixed_port = port is not None
+        self.port = port if port is not None else _free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.log_path = Path(log_path)
         self.command = [sys.executable, "-m", MODULE, *args, "--host", HOST, "--port", str(self.port)]
@@ -128,7 +133,7 @@ class CpuServer:
                 self._start_once()
                 return
             except PortTakenError:
-                if attempt == PORT_ATTEMPTS:
+                if attempt == PORT_ATTEMPTS or self._fixed_port:
                     raise
                 self.port = _free_port()
                 self.url = f"http://{HOST}:{self.port}"
@@ -177,6 +182,15 @@ class CpuServer:
             f"{what}: {' '.join(self.command)}\n"
             f"--- last {LOG_TAIL_LINES} lines of {self.log_path} ---\n{self.log_tail()}"
         )
+
+    @property
+    def pid(self) -> int | None:
+        """The server's process id (its process group's id), None when stopped."""
+        return None if self._process is None else self._process.pid
+
+    def poll(self) -> int | None:
+        """The server's exit code, None while it runs (``subprocess.Popen.poll``)."""
+        return None if self._process is None else self._process.poll()
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         try:
@@ -234,6 +248,7 @@ PAIRS = {
     "random": ("target", "draft"),
     "agree": ("target-agree", "draft-agree"),
     "count": ("target-count", "draft-count"),
+    "wide": ("target-wide", "draft-wide"),
 }
 
 
@@ -255,7 +270,7 @@ def speculative_server_args(
     extra: Sequence[Any] = (),
 ) -> list[Any]:
     """Arguments of a speculative server (``EAGLE3``, ``EAGLE3_DYNAMIC``) on one of the
-    model pairs (``random``, ``agree`` or ``count``)."""
+    model pairs (``random``, ``agree``, ``count`` or ``wide``)."""
     target, draft = PAIRS[pair]
     return [
         "--model-path", models[target],

@@ -1,0 +1,36 @@
+#!/bin/bash
+# Issue 21 §1 on the H200: SGLang 0.5.17's parity and logprob kits, unchanged, with SGLang's own
+# server fixture, against EAGLE3_DYNAMIC and stock EAGLE3 (benchmarks/h200/kits_gpu.py).
+# The GPU bundle (.gpu) ships SGLang without its sglang/test package; prepare it here first:
+#   bash benchmarks/h200/kits.sh --prepare       # unpacks sglang/test of the 0.5.17 wheel into .gpu-kits/
+# then on the device (carry .gpu and .gpu-kits):
+#   bash benchmarks/h200/kits.sh                 # results: $OUT/kits.jsonl, logs: $OUT/kits-logs.tar.xz
+set -u
+if [ "${1:-}" = --prepare ]; then
+  tmp=$(mktemp -d)
+  python3 -m pip download -q --no-deps sglang==0.5.17 -d "$tmp" || exit 1
+  rm -rf .gpu-kits && mkdir -p .gpu-kits
+  python3 -m zipfile -e "$tmp"/sglang-0.5.17-*.whl "$tmp/wheel" && cp -r "$tmp/wheel/sglang/test" .gpu-kits/ || exit 1
+  rm -rf "$tmp"
+  echo "sglang/test of 0.5.17 in .gpu-kits/ ($(du -sh .gpu-kits | cut -f1))"
+  exit 0
+fi
+source .gpu/device-env.sh || exit 1
+[ -d .gpu-kits/test/kits ] || { echo "no .gpu-kits/test: run 'bash benchmarks/h200/kits.sh --prepare' and carry .gpu-kits"; exit 1; }
+cp -r .gpu-kits/test /tmp/site/sglang/
+python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site ./testbed \
+  > /tmp/testbed-install.log 2>&1 || { tail -20 /tmp/testbed-install.log; exit 1; }
+M=/tmp/tiny-models
+python3 -m dynspec_testbed.models "$M" > /dev/null || exit 1
+# SGLang's popen_launch_server runs the `sglang` console script, which a --target install lacks.
+mkdir -p /tmp/bin
+printf '#!/bin/sh\nexec python3 -c "import sys; from sglang.cli.main import main; sys.exit(main())" "$@"\n' > /tmp/bin/sglang
+chmod +x /tmp/bin/sglang
+export PATH=/tmp/bin:$PATH
+python3 -c "import requests, aiohttp, PIL" || exit 1
+python3 benchmarks/h200/kits_gpu.py "$M" "$OUT/kits.jsonl" > "$OUT/kits.log" 2>&1
+status=$?
+cat "$OUT/kits.jsonl" | cut -c1-300
+tail -5 "$OUT/kits.log"
+(cd "$OUT" && tar -cJf kits-logs.tar.xz kits.log && rm -f kits.log)
+exit $status

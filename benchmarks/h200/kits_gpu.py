@@ -1,0 +1,78 @@
+"""Issue 21 §1 on the H200: SGLang's parity and logprob kits, unchanged, with SGLang's own fixture.
+
+    python3 benchmarks/h200/kits_gpu.py MODELS_DIR RESULTS.jsonl   # after kits.sh put sglang/test in place
+
+``SpecParityKit`` and ``SpecLogprobKit`` (SGLang 0.5.17's ``sglang.test.kits.spec_server_kits``)
+are mixed into SGLang's ``SpecEagleServerBase`` exactly as SGLang's own test classes do; only the
+class attributes (the fixture's launch knobs) are set here: the test bed's ``wide`` pair (random
+weights, 32,000-id vocabulary; built on the device by ``python -m dynspec_testbed.models``),
+triton attention, bf16, and ``--enable-deterministic-inference`` on the kit's reference server and
+the server under test. Two servers under test: EAGLE3_DYNAMIC at thresholds that make the kits'
+requests cross both modes, and stock EAGLE3 as the control (SGLang's verify numerics differ from
+its decode's, so the parity kit may fail for stock EAGLE3 on requests that speculate).
+Each kit method's result is one JSON line in RESULTS.jsonl (the servers' output goes to this
+process's stdout and stderr); the exit code is unittest's.
+"""
+
+import json
+import sys
+import unittest
+
+from sglang.test.kits.spec_server_kits import SpecLogprobKit, SpecParityKit
+from sglang.test.server_fixtures.spec_eagle_fixture import SpecEagleServerBase
+
+MODELS, RESULTS = sys.argv[1], sys.argv[2]
+
+
+class _Knobs:
+    model = f"{MODELS}/target-wide"
+    draft_model = f"{MODELS}/draft-wide"
+    spec_steps = 3
+    spec_topk = 1
+    spec_tokens = 4
+    attention_backend = "triton"
+    dtype = "bfloat16"
+    trust_remote_code = False
+    enable_deterministic_inference = True
+    mem_fraction_static = 0.5
+    max_running_requests = 64
+    chunked_prefill_size = 1024
+
+
+class DynamicCrossingModes(_Knobs, SpecParityKit, SpecLogprobKit, SpecEagleServerBase):
+    spec_algo = "EAGLE3_DYNAMIC"
+    extra_args = (
+        "--speculative-dynamic-policy", "threshold",
+        "--speculative-disable-batch-threshold", "2",
+        "--speculative-min-dwell-steps", "0",
+    )  # fmt: skip
+
+
+class StockEagle3(_Knobs, SpecParityKit, SpecLogprobKit, SpecEagleServerBase):
+    spec_algo = "EAGLE3"
+
+
+class _JsonResult(unittest.TextTestResult):
+    def _line(self, test, outcome, detail=""):
+        with open(RESULTS, "a") as out:
+            out.write(json.dumps({"test": test.id(), "outcome": outcome, "detail": detail[-2000:]}) + "\n")
+
+    def addSuccess(self, test):
+        super().addSuccess(test)
+        self._line(test, "passed")
+
+    def addFailure(self, test, err):
+        super().addFailure(test, err)
+        self._line(test, "failed", self._exc_info_to_string(err, test))
+
+    def addError(self, test, err):
+        super().addError(test, err)
+        self._line(test, "error", self._exc_info_to_string(err, test))
+
+
+if __name__ == "__main__":
+    suite = unittest.TestSuite(
+        unittest.defaultTestLoader.loadTestsFromTestCase(case) for case in (DynamicCrossingModes, StockEagle3)
+    )
+    result = unittest.TextTestRunner(resultclass=_JsonResult, verbosity=2).run(suite)
+    sys.exit(0 if result.wasSuccessful() else 1)
