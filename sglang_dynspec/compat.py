@@ -132,6 +132,8 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
             "enable_lora",
             "lora_paths",
             "enable_custom_logit_processor",
+            "cuda_graph_backend_decode",
+            "cuda_graph_backend_prefill",
         ),
     ),
     HostSymbols(

@@ -110,6 +110,24 @@ _UNSUPPORTED = (
         "a plain step captures the target's auxiliary hidden states for the draft, so the hidden states "
         "returned would change with the mode",
     ),
+    # The CUDA graph backends the plugin has run on: SGLang's defaults (decode: full, prefill:
+    # breakable; the H200 runs, benchmarks/results/) and graphs off (the CPU test bed).
+    # None: the flag not given, SGLang's default.
+    (
+        "cuda_graph_backend_decode",
+        lambda v: v not in (None, "full", "disabled"),
+        "--cuda-graph-backend-decode",
+        "the plain decode graph and the speculative step are tested with SGLang's default decode "
+        "graphs (full) and with decode graphs off (disabled); pass one of those or leave the flag out",
+    ),
+    (
+        "cuda_graph_backend_prefill",
+        lambda v: v not in (None, "breakable", "disabled"),
+        "--cuda-graph-backend-prefill",
+        "prompt prefills and the draft catch-up's extend passes are tested with SGLang's default "
+        "prefill graphs (breakable) and with prefill graphs off (disabled); pass one of those or "
+        "leave the flag out",
+    ),
     (
         "enable_custom_logit_processor",
         bool,

@@ -137,6 +137,10 @@ def test_bad_boolean_environment_variable_is_refused():
         (dict(attn_cp_size=2), "--attn-cp-size"),
         (dict(page_size=16), "--page-size"),
         (dict(enable_return_hidden_states=True), "--enable-return-hidden-states"),
+        (dict(cuda_graph_backend_decode="breakable"), "--cuda-graph-backend-decode"),
+        (dict(cuda_graph_backend_decode="tc_piecewise"), "--cuda-graph-backend-decode"),
+        (dict(cuda_graph_backend_prefill="full"), "--cuda-graph-backend-prefill"),
+        (dict(cuda_graph_backend_prefill="tc_piecewise"), "--cuda-graph-backend-prefill"),
     ],
 )
 def test_unsupported_setups_are_named(attrs, option):
@@ -185,6 +189,12 @@ def test_supported_setup_has_no_reason():
         enable_return_hidden_states=False,
     )
     assert refusals.unsupported_reason(args) is None
+    for decode in (None, "full", "disabled"):
+        for prefill in (None, "breakable", "disabled"):
+            graphs = types.SimpleNamespace(
+                cuda_graph_backend_decode=decode, cuda_graph_backend_prefill=prefill
+            )
+            assert refusals.unsupported_reason(graphs) is None, (decode, prefill)
 
 
 def test_draft_checks():
