@@ -194,8 +194,18 @@ KITS = (
 )
 
 
+# CI's time: the suite must finish within CI's limit on 2 cores, and these two take 7 of the
+# crossing class's 13 minutes (400 radix requests; 20 requests of 1,024 tokens beside
+# aborted ones). They run with SGLANG_DYNSPEC_KITS_ALL=1 and passed in both
+# configurations on 2026-12-03 (README, Tests); aborts under switching are also the soak
+# test's (tests/test_soak.py).
+ALL_KITS_ENV = "SGLANG_DYNSPEC_KITS_ALL"
+ALL_KITS = os.environ.get(ALL_KITS_ENV) == "1"
+LEFT_TO_REQUEST = ("test_radix_attention", "test_request_abort")
+
+
 @pytest.mark.server
-@without(*OUT_OF_REACH)
+@without(*OUT_OF_REACH, *(() if ALL_KITS else LEFT_TO_REQUEST))
 class TestKitsCrossingModes(KitFixture, *KITS, KitServer, unittest.TestCase):
     """Plain above 2 running requests, speculative at 1, no dwell: the kits' batches
     run plain and their single requests speculate, and requests cross as others end."""
@@ -215,16 +225,13 @@ class TestKitsCrossingModes(KitFixture, *KITS, KitServer, unittest.TestCase):
 # time limit, and on the test bed's random pair (acceptance 1) the default policy decodes
 # mostly plain, which TestKitsCrossingModes covers in both modes. All 16 methods passed at
 # the defaults on 2026-12-03 (README, Tests).
-ALL_KITS_ENV = "SGLANG_DYNSPEC_KITS_ALL"
-
-
 @pytest.mark.server
 @without(*OUT_OF_REACH)
 class TestKitsDefaults(KitFixture, *KITS, KitServer, unittest.TestCase):
     """EAGLE3_DYNAMIC with no plugin flag: the default policy and its start-up step costs.
     Collected only with SGLANG_DYNSPEC_KITS_ALL=1."""
 
-    __test__ = os.environ.get(ALL_KITS_ENV) == "1"
+    __test__ = ALL_KITS
     acc_length_thres = 0.99
     batch_accept_len_thres = 0.99
     abort_all_max_new_tokens = 1500
@@ -264,4 +271,4 @@ def test_readme_lists_the_kit_methods_out_of_reach():
     readme = (REPO / "README.md").read_text()
     section = readme.split("**SGLang's own test kits.**", 1)[1].split("\n\n", 3)[:3]
     listed = set(re.findall(r"`(test_\w+)`", "\n\n".join(section)))
-    assert set(OUT_OF_REACH) <= listed
+    assert {*OUT_OF_REACH, *LEFT_TO_REQUEST} <= listed
