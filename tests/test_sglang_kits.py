@@ -27,9 +27,7 @@ collected kit test is one that can fail.
 
 import os
 import re
-import tempfile
 import unittest
-from functools import cache
 from pathlib import Path
 from unittest import mock
 
@@ -49,7 +47,6 @@ from dynspec_testbed.server import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-MODELS_DIR_ENV = "SGLANG_DYNSPEC_TEST_MODELS"  # as in conftest.py: reuse one build
 # The kits send an 8,000-token prompt (BasicSchedulerStressMixin.test_long_prompt).
 WIDE_CONTEXT = ["--context-length", "10240", "--max-total-tokens", "20480"]
 
@@ -75,16 +72,31 @@ OUT_OF_REACH = {
 }
 
 
-@cache
+# The session's test-bed models and a log directory, set by ``_session_models`` below.
+# The kits' classes set up in ``setUpClass``, which takes no pytest fixtures; a
+# module-scoped fixture is set up before them (pytest orders fixtures by scope).
+_session: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _session_models(tiny_models, tmp_path_factory):
+    _session["models"] = tiny_models
+    _session["logs"] = tmp_path_factory.mktemp("kit-logs")
+    yield
+    _session.clear()
+
+
 def _models() -> dict[str, Path]:
-    from dynspec_testbed.models import build_models
-
-    return build_models(os.environ.get(MODELS_DIR_ENV) or tempfile.mkdtemp(prefix="dynspec-kit-models-"))
+    return _session["models"]
 
 
-@cache
 def _log_dir() -> Path:
-    return Path(tempfile.mkdtemp(prefix="dynspec-kit-logs-"))
+    return _session["logs"]
+
+
+def _crossing_args(models, extra) -> list:
+    """EAGLE3_DYNAMIC on the wide pair, plain above 2 running requests, no dwell."""
+    return dynamic_server_args(models, "wide", policy="threshold", disable_above=2, dwell=0, extra=extra)
 
 
 # ------------------------------------------------------------------ the kit's reference
@@ -212,7 +224,7 @@ class TestKitsCrossingModes(KitFixture, *KITS, KitServer, unittest.TestCase):
 
     @classmethod
     def server_args(cls, models, extra):
-        return dynamic_server_args(models, "wide", policy="threshold", disable_above=2, dwell=0, extra=extra)
+        return _crossing_args(models, extra)
 
     # The random pair accepts about one token per verify (each verify yields at least
     # one): the kits' thresholds are for trained pairs.
@@ -250,7 +262,7 @@ class TestKitsRunningTimeout(KitFixture, RunningTimeoutTwoWaveMixin, KitServer, 
 
     @classmethod
     def server_args(cls, models, extra):
-        return dynamic_server_args(models, "wide", policy="threshold", disable_above=2, dwell=0, extra=extra)
+        return _crossing_args(models, extra)
 
 
 @pytest.mark.server
