@@ -28,6 +28,19 @@ printf '#!/bin/sh\nexec python3 -c "import sys; from sglang.cli.main import main
 chmod +x /tmp/bin/sglang
 export PATH=/tmp/bin:$PATH
 python3 -c "import requests, aiohttp, PIL" || exit 1
+# SGLang's test utilities import its benchmark package, whose dataset loaders import
+# `datasets` (and its tables `tabulate`) at module level; the kits call neither, and the
+# device lacks `datasets` (the first call failed there). A stand-in that raises if
+# anything calls it, for each one missing.
+mkdir -p /tmp/kit-stubs
+for mod in datasets tabulate; do
+  python3 -c "import $mod" 2> /dev/null && continue
+  printf 'def __getattr__(name):\n    def missing(*args, **kwargs):\n        raise RuntimeError("%s is not installed on this machine (benchmarks/h200/kits.sh)")\n    return missing\n' "$mod" \
+    > "/tmp/kit-stubs/$mod.py"
+  echo "stand-in for $mod (not installed here)"
+done
+export PYTHONPATH=$PYTHONPATH:/tmp/kit-stubs
+python3 -c "import sglang.test.kits.spec_server_kits" || exit 1
 python3 benchmarks/h200/kits_gpu.py "$M" "$OUT/kits.jsonl" > "$OUT/kits.log" 2>&1
 status=$?
 cat "$OUT/kits.jsonl" | cut -c1-300

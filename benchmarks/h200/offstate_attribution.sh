@@ -15,7 +15,8 @@
 #      the kernels per decode step of dynamic against the baseline (--diff), in
 #      $OUT/profiles.md; the traces are not brought back (too large).
 #
-# CONFIGS picks the servers (default: baseline dynamic dynamic-t0); dynamic-pieces is
+# CONFIGS picks the servers (default: baseline dynamic dynamic-t0); dynamic-tN is
+# EAGLE3_DYNAMIC with --speculative-catch-up-tokens N (0: no catch-up); dynamic-pieces is
 # EAGLE3_DYNAMIC with its buffer-full flushes in pieces of FLUSH_TOKENS positions
 # (SGLANG_DYNSPEC_FLUSH_TOKENS, default 2048 here). WAVES: requests per point = WAVES x C
 # (default 2); PROFILE_CONFIGS="" skips the profiles.
@@ -37,7 +38,8 @@ server_args() {
   case $1 in
     baseline) echo --enable-metrics ;;
     dynamic) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
-    dynamic-t0) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics --speculative-catch-up-tokens 0 ;;
+    # dynamic-tN: the catch-up buffer at N positions per request (0: catch-up off).
+    dynamic-t[0-9]*) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics --speculative-catch-up-tokens "${1#dynamic-t}" ;;
     dynamic-pieces) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
   esac
 }
