@@ -530,12 +530,13 @@ class DraftPasses:
 
     ``extend(batch, hidden, tails)`` writes the draft KV of an EXTEND batch and returns
     the draft state of each request's last position (SGLang's prefill pass);
-    ``fill_kv(batch, hidden, tails, last_rows)`` writes the draft KV only. ``top1``:
+    ``fill_kv(batch, hidden, tails, last_rows, compared_rows)`` writes the draft KV
+    only; its proposals are right only at ``compared_rows`` (None: nowhere). ``top1``:
     reads the draft's proposals during either (None: replays are not compared).
     """
 
     extend: Callable[[ScheduleBatch, torch.Tensor, torch.Tensor], object]
-    fill_kv: Callable[[ScheduleBatch, torch.Tensor, torch.Tensor, torch.Tensor], None]
+    fill_kv: Callable[[ScheduleBatch, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], None]
     top1: DraftTop1 | None = None
 
 
@@ -654,8 +655,9 @@ class DraftCatchUp:
         flush: the plain step that follows starts a new gap, and the catch-up at
         resume produces the state the draft needs, so that flush only writes KV
         (``compat.fill_draft_kv``, one batched rotation instead of SGLang's
-        per-request loop, no sampling). Either pass is also compared with the
-        target's tokens when ``replays`` is on (module docstring)."""
+        per-request loop, no sampling, the draft's last MLP only at the compared
+        rows). Either pass is also compared with the target's tokens when
+        ``replays`` is on (module docstring)."""
         timer = DeviceTimer.start(self.device)
         index = GapIndex.of(gap_rows, self.device)
         hidden, tokens = self.log.gather(gap_rows, index)
@@ -665,7 +667,7 @@ class DraftCatchUp:
         with contextlib.ExitStack() as stack:
             seen = stack.enter_context(self.passes.top1.capture(compared[0])) if compared else None
             if reason is CatchUpReason.BUFFER_FULL:
-                self.passes.fill_kv(ext, hidden, tails, last_rows)
+                self.passes.fill_kv(ext, hidden, tails, last_rows, compared[0] if compared else None)
                 fresh = None
             else:
                 fresh = self.passes.extend(ext, hidden, tails)

@@ -58,6 +58,7 @@ from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 from sglang.srt.model_executor.runner.base_runner import BaseRunner
 from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+from sglang.srt.models import llama_eagle3
 from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from sglang.srt.sampling.penaltylib import BatchedPenalizerOrchestrator
@@ -307,6 +308,10 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
     HostSymbols(EagleDraftWorker, ("hot_token_id",)),
     HostSymbols(ModelRunner, ("model",)),
     HostSymbols(LlamaForCausalLMEagle3, ("logits_processor", "lm_head")),
+    # A buffer-full flush leaves out the draft's last MLP (draft_last_layer).
+    HostSymbols(LlamaForCausalLMEagle3, ("model",)),
+    HostSymbols(llama_eagle3.LlamaModel, ("layers",)),
+    HostSymbols(llama_eagle3.LlamaDecoderLayer, ("mlp",)),
     HostSymbols(LogitsMetadata, ("forward_mode",)),
     # Step-cost calibration: the synthetic decode batch and the limits of the grid
     # (synthetic_decode_batch, synthetic_batch_limits, decode_graph_batch_sizes).
@@ -777,7 +782,57 @@ def run_draft_extend(spec_worker, extend_batch: ScheduleBatch, target_hidden, ta
         return spec_worker.draft_worker._draft_extend_for_prefill(extend_batch, target_hidden, tail_tokens)
 
 
-def fill_draft_kv(spec_worker, extend_batch: ScheduleBatch, target_hidden, tail_tokens, last_rows) -> None:
+def draft_last_layer(spec_worker):
+    """The EAGLE-3 draft's last decoder layer, whose MLP a buffer-full flush leaves out
+    (``fill_draft_kv``), or None for a draft model of another class (then flushes run
+    the whole forward)."""
+    model = spec_worker.draft_worker.draft_runner.model
+    if not isinstance(model, LlamaForCausalLMEagle3):
+        return None
+    layer = model.model.layers[-1]
+    return layer if isinstance(getattr(layer, "mlp", None), torch.nn.Module) else None
+
+
+class MlpAtRows(torch.nn.Module):
+    """Stands in for the draft's last MLP during a flush: ``mlp`` at ``rows`` (the
+    positions whose proposal the flush compares with the target's token), the input
+    passed through everywhere else (None: at no row).
+
+    Why this is safe: every draft K/V a forward writes is computed before the last
+    layer's MLP (layer ``i``'s K and V come from its input, which the MLPs of layers
+    before ``i`` produce), and the last MLP's output feeds only the final norm, the
+    logits and the captured hidden state, which a flush does not use except at the
+    compared rows. Leaving it out removes most of a one-layer draft's arithmetic per
+    replayed position (its MLP is about 60% of it on the Llama-3.1-8B draft)."""
+
+    def __init__(self, mlp: torch.nn.Module, rows: torch.Tensor | None):
+        super().__init__()
+        self.mlp, self.rows = mlp, rows
+
+    def forward(self, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self.rows is None or self.rows.numel() == 0:
+            return hidden
+        return hidden.index_copy(0, self.rows, self.mlp(hidden.index_select(0, self.rows), *args, **kwargs))
+
+
+@contextlib.contextmanager
+def last_mlp_only_at(layer, rows: torch.Tensor | None) -> Iterator[None]:
+    """Within the block ``layer.mlp`` is :class:`MlpAtRows` (``layer``: from
+    ``draft_last_layer``; None: nothing changes)."""
+    if layer is None:
+        yield
+        return
+    mlp = layer.mlp
+    layer.mlp = MlpAtRows(mlp, rows)
+    try:
+        yield
+    finally:
+        layer.mlp = mlp
+
+
+def fill_draft_kv(
+    spec_worker, extend_batch: ScheduleBatch, target_hidden, tail_tokens, last_rows, compared_rows=None
+) -> None:
     """Write the draft KV of ``extend_batch``'s positions; no proposals.
 
     What ``run_draft_extend`` does, less what a catch-up that drops its proposals
@@ -789,8 +844,10 @@ def fill_draft_kv(spec_worker, extend_batch: ScheduleBatch, target_hidden, tail_
     ``tail_tokens`` go there), the forward captures no hidden state and nothing is
     sampled. The draft forward itself is SGLang's: the same ``ForwardBatch`` and
     ``EagleDraftExtendInput`` as ``_draft_extend_for_prefill`` builds (multimodal
-    inputs and DSA seeding, which a catch-up never has, aside). Under SGLang's KV
-    canary (a debugging mode that wraps that forward) it defers to ``run_draft_extend``.
+    inputs and DSA seeding, which a catch-up never has, aside), with the draft's last
+    MLP computed only at ``compared_rows`` (``MlpAtRows``; the rows whose proposal a
+    replay tally reads; None: none). Under SGLang's KV canary (a debugging mode that
+    wraps that forward) it defers to ``run_draft_extend``.
     """
     draft_worker = spec_worker.draft_worker
     draft_runner = draft_worker.draft_runner
@@ -804,7 +861,7 @@ def fill_draft_kv(spec_worker, extend_batch: ScheduleBatch, target_hidden, tail_
     extend_batch.spec_info = EagleDraftExtendInput(
         hidden_states=target_hidden, num_tokens_per_req=1, num_tokens_for_logprob_per_req=1
     )
-    with draft_extend_contexts(spec_worker):
+    with draft_extend_contexts(spec_worker), last_mlp_only_at(draft_last_layer(spec_worker), compared_rows):
         forward_batch = ForwardBatch.init_new(
             extend_batch,
             draft_runner,

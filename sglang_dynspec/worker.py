@@ -25,6 +25,9 @@ from sglang_dynspec.policy import Mode
 
 logger = logging.getLogger("sglang_dynspec")
 
+# The start-up log's words for a flush that leaves out the draft's last MLP (compat.MlpAtRows).
+FLUSH_WITHOUT_LAST_MLP = "without the draft's last MLP (only at the rows a replay compares)"
+
 
 class DynamicEagleWorker(compat.EAGLEWorkerV2):
     """EAGLEWorkerV2 that runs a plain target decode while speculation does not pay."""
@@ -101,7 +104,7 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
         if self.catch_up.enabled and self._first_rank:
             logger.info(
                 "[sglang-dynspec] draft catch-up buffer: %d positions x %d requests, %.0f MiB (allocated "
-                "after the KV pool; %s); buffer-full flushes %s",
+                "after the KV pool; %s); buffer-full flushes %s, %s",
                 self.settings.catch_up_tokens,
                 compat.request_pool_size(self),
                 self.catch_up.nbytes / 2**20,
@@ -109,6 +112,9 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
                 f"in pieces of at most {self.settings.flush_tokens} positions ({config.FLUSH_TOKENS_ENV})"
                 if self.settings.flush_tokens
                 else "replay every gap of the batch at once",
+                FLUSH_WITHOUT_LAST_MLP
+                if compat.draft_last_layer(self) is not None
+                else "with the whole draft forward (a draft model other than LlamaForCausalLMEagle3)",
             )
         if self._first_rank:
             warning = config.unreachable_bound_warning(self.settings, compat.max_running_requests(self))

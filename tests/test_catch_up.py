@@ -37,6 +37,7 @@ from schedule_batches import (
 )
 
 from sglang_dynspec import catch_up as catch_up_module
+from sglang_dynspec import compat
 from sglang_dynspec.catch_up import (
     CatchUp,
     DraftCatchUp,
@@ -314,7 +315,7 @@ class FakeDraftPasses:
             draft_probs=None,
         )
 
-    def fill_kv(self, ext, hidden, tails, last_rows):
+    def fill_kv(self, ext, hidden, tails, last_rows, compared_rows=None):
         self.calls.append(("fill_kv", ext, hidden.clone(), tails.clone(), last_rows.clone()))
 
 
@@ -520,21 +521,29 @@ class FakeDraft(FakeDraftPasses):
         super().__init__(topk, hidden_size)
         self.top1 = FakeTop1()
 
-    def _propose(self, ext, tails):
+    def _propose(self, ext, tails, right_at=None):
         out, start = [], 0
         for k, g in enumerate(ext.extend_lens):
             rotated = ext.input_ids[start + 1 : start + g].tolist() + [int(tails[k])]
             out += [proposal(rotated, i) for i in range(g)]
             start += g
-        self.top1.forward(torch.tensor(out))
+        out = torch.tensor(out)
+        if right_at is not None:  # as compat.fill_draft_kv: right only where asked (MlpAtRows)
+            wrong = torch.full_like(out, -7)
+            out = wrong.index_copy(0, right_at, out.index_select(0, right_at))
+        self.top1.forward(out)
 
     def extend(self, ext, hidden, tails):
         self._propose(ext, tails)
         return super().extend(ext, hidden, tails)
 
-    def fill_kv(self, ext, hidden, tails, last_rows):
-        self._propose(ext, tails)
-        super().fill_kv(ext, hidden, tails, last_rows)
+    def fill_kv(self, ext, hidden, tails, last_rows, compared_rows=None):
+        self._propose(
+            ext,
+            tails,
+            right_at=compared_rows if compared_rows is not None else torch.tensor([], dtype=torch.int64),
+        )
+        super().fill_kv(ext, hidden, tails, last_rows, compared_rows)
 
 
 def comparing_catch_up(made, case, capacity):
@@ -633,3 +642,42 @@ def test_the_tally_reads_back_only_copies_that_have_run():
         copy_.done = True
     assert tally.read_back(48) == [(2, 3, 16), (1, 1, 32)]  # in order, each its own stamp
     assert tally.read_back(64) == []  # windows with no positions are not closed
+
+
+# ------------------------------------- a flush without the draft's last MLP (compat)
+class CountingMlp(torch.nn.Module):
+    """A stand-in MLP: doubles its rows and counts the rows it was given."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows_seen = 0
+
+    def forward(self, x):
+        self.rows_seen += x.shape[0]
+        return 2 * x + 1
+
+
+@given(n=st.integers(1, 12), data=st.data())
+def test_the_last_mlp_runs_only_at_the_compared_rows(n, data):
+    rows = sorted(data.draw(st.sets(st.integers(0, n - 1))))
+    hidden = torch.randn(n, 3)
+    mlp = CountingMlp()
+    out = compat.MlpAtRows(mlp, torch.tensor(rows, dtype=torch.int64))(hidden)
+    for r in range(n):
+        expected = 2 * hidden[r] + 1 if r in rows else hidden[r]
+        assert torch.equal(out[r], expected), r
+    assert mlp.rows_seen == len(rows)
+    assert torch.equal(compat.MlpAtRows(mlp, None)(hidden), hidden) and mlp.rows_seen == len(rows)
+
+
+def test_the_last_mlp_is_put_back_after_the_flush_even_when_it_fails():
+    layer = types.SimpleNamespace(mlp=CountingMlp())
+    real = layer.mlp
+    with compat.last_mlp_only_at(layer, None):
+        assert isinstance(layer.mlp, compat.MlpAtRows) and layer.mlp.mlp is real
+    assert layer.mlp is real
+    with pytest.raises(RuntimeError), compat.last_mlp_only_at(layer, torch.tensor([0])):
+        raise RuntimeError("draft forward failed")
+    assert layer.mlp is real
+    with compat.last_mlp_only_at(None, None):  # a draft of another class: nothing changes
+        pass

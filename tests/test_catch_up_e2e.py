@@ -45,6 +45,7 @@ from dynspec_testbed.server import (
 )
 from dynspec_testbed.workload import plugin_counters, random_requests, run_waves
 from sglang_dynspec.config import FLUSH_TOKENS_ENV
+from sglang_dynspec.worker import FLUSH_WITHOUT_LAST_MLP
 
 pytestmark = pytest.mark.server
 
@@ -192,6 +193,9 @@ def test_draft_kv_after_catch_up_equals_always_speculating(
 
     assert outputs == reference_outputs
     assert counters.catch_ups["resume"] >= 1 and counters.catch_ups["buffer_full"] >= 1, counters
+    # The flushes left out the draft's last MLP (compat.MlpAtRows), and the KV rows below
+    # still equal EAGLE3's: the MLP does not feed the draft KV.
+    assert FLUSH_WITHOUT_LAST_MLP in (tmp_path / "server.log").read_text()
     if scheduler_env is FLUSH_IN_PIECES_ENV:  # in pieces of two logs: 8 positions, not 6 x 4
         assert counters.catch_up_tokens <= 2 * BUFFER * sum(counters.catch_ups.values()), counters
     # No host sync in the plugin's step code: its own frames read no tensor to the host

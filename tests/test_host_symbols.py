@@ -69,6 +69,7 @@ def _library_names() -> frozenset[str]:
         Exception,
         torch,
         torch.Tensor,
+        torch.nn,
         torch.nn.Module,
         torch.cuda,
         torch.cuda.Event,
