@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import itertools
 import operator
 import re
 from collections.abc import Callable, Iterator
@@ -828,6 +829,30 @@ def last_mlp_only_at(layer, rows: torch.Tensor | None) -> Iterator[None]:
         yield
     finally:
         layer.mlp = mlp
+
+
+def extend_last_rows(batch: ScheduleBatch) -> torch.Tensor | None:
+    """``[bs]`` the index of each request's last token in a prefill or mixed batch's
+    flat token layout (the layout of SGLang's draft pass after the target's prefill),
+    on the batch's device; None for a batch without extend lengths (idle)."""
+    lens = batch.extend_lens
+    if not lens or batch.input_ids is None:
+        return None
+    return (
+        torch.tensor(list(itertools.accumulate(lens)), dtype=torch.int64).sub_(1).to(batch.input_ids.device)
+    )
+
+
+@contextlib.contextmanager
+def draft_mlp_at_last_rows(spec_worker, batch: ScheduleBatch) -> Iterator[None]:
+    """Within the block (a prefill or mixed step through SGLang's EAGLE-3 path), the
+    draft's last MLP runs only at each request's last token: the draft pass after the
+    target's prefill keeps the logits and hidden state of that token alone (hidden
+    capture LAST, no logprobs, in both versions' ``_draft_extend_for_prefill``), and
+    every draft K/V comes before that MLP (:class:`MlpAtRows`)."""
+    rows = extend_last_rows(batch)
+    with last_mlp_only_at(draft_last_layer(spec_worker) if rows is not None else None, rows):
+        yield
 
 
 def fill_draft_kv(

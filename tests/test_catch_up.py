@@ -681,3 +681,17 @@ def test_the_last_mlp_is_put_back_after_the_flush_even_when_it_fails():
     assert layer.mlp is real
     with compat.last_mlp_only_at(None, None):  # a draft of another class: nothing changes
         pass
+
+
+@given(lens=st.lists(st.integers(1, 9), min_size=1, max_size=8))
+def test_the_last_rows_of_a_prefill_are_each_requests_last_token(lens):
+    batch = types.SimpleNamespace(extend_lens=lens, input_ids=torch.zeros(sum(lens), dtype=torch.int64))
+    rows = compat.extend_last_rows(batch).tolist()
+    flat_owner = [r for r, n in enumerate(lens) for _ in range(n)]
+    assert len(rows) == len(lens)
+    for r, row in enumerate(rows):
+        assert flat_owner[row] == r and (row + 1 == len(flat_owner) or flat_owner[row + 1] == r + 1)
+
+
+def test_an_idle_batch_has_no_last_rows():
+    assert compat.extend_last_rows(types.SimpleNamespace(extend_lens=[], input_ids=None)) is None
