@@ -849,8 +849,9 @@ def draft_mlp_at_last_rows(spec_worker, batch: ScheduleBatch) -> Iterator[None]:
     draft's last MLP runs only at each request's last token: the draft pass after the
     target's prefill keeps the logits and hidden state of that token alone (hidden
     capture LAST, no logprobs, in both versions' ``_draft_extend_for_prefill``), and
-    every draft K/V comes before that MLP (:class:`MlpAtRows`)."""
-    rows = extend_last_rows(batch)
+    every draft K/V comes before that MLP (:class:`MlpAtRows`). An idle step: nothing
+    changes."""
+    rows = None if is_idle_step(batch) else extend_last_rows(batch)
     with last_mlp_only_at(draft_last_layer(spec_worker) if rows is not None else None, rows):
         yield
 

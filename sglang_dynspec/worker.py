@@ -165,11 +165,8 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
         if not compat.is_decode_step(batch):
             self._last_step_plain = False
             self.controller.on_other_step()
-            if compat.is_idle_step(batch):
-                return super().forward_batch_generation(
-                    batch, **compat.spec_forward_kwargs(on_publish, grammar_barrier, pp_proxy_tensors)
-                )
-            self.catch_up.before_extend_step(batch)
+            if not compat.is_idle_step(batch):
+                self.catch_up.before_extend_step(batch)
             with compat.draft_mlp_at_last_rows(self, batch):
                 return super().forward_batch_generation(
                     batch, **compat.spec_forward_kwargs(on_publish, grammar_barrier, pp_proxy_tensors)
