@@ -135,8 +135,9 @@ REJECTING = {"sampling_params": {"logit_bias": {"5": 100.0}}}
 # a speculative step of three drafts costs about 4x a plain step at one request
 # (host-bound) and 2x at eight, where full acceptance (4 tokens) pays and
 # none (1 token) does not, each by a factor of about 2 (CPU step times vary by tens of
-# percent on a shared machine). A first wave that speculates settles the online
-# correction of speculative steps at this batch size.
+# percent on a shared machine). A first wave at full acceptance (speculating, unless the
+# machine makes a speculative step dearer than four plain ones) settles the online
+# correction at this batch size.
 WARM = waves_of([8], seed=10, prefix="warm-", new_tokens=(100, 100))
 LOW = waves_of([8], seed=11, prefix="low-", new_tokens=(60, 60), extra=REJECTING)  # acceptance 1: plain
 HIGH = waves_of([8], seed=12, prefix="high-", new_tokens=(200, 200))  # acceptance 4, while plain
@@ -170,7 +171,14 @@ def test_speculation_comes_back_when_the_replay_sees_acceptance_rise_while_plain
     )
     assert all(set(got[r.rid]["output_ids"]) == {5} for r in LOW[0])
     assert all(set(got[r.rid]["output_ids"]) == {300} for r in HIGH[0])
-    assert warm.mode == 1 and warm.acceptance == pytest.approx(4.0, abs=TOLERANCE), warm
+    # The warm-up measures full acceptance; whether it ends speculating is the machine's
+    # call: a whole-suite run on a loaded 2-core machine timed speculative steps at 5.2x a
+    # plain step at 8 requests (2026-12-03), more than the 4 tokens a step gives, and the
+    # policy rightly went plain. What follows does not need it: the low phase is plain
+    # either way, and the plain steps measured while plain, a flush every 8 of them
+    # included, cost more than the start-up table says (10.6 ms in the table, 22.4 ms
+    # measured, on a passing run), so full acceptance pays again in the high phase.
+    assert warm.acceptance == pytest.approx(4.0, abs=TOLERANCE), warm
     # Low acceptance: plain, and the replay agrees that drafts are rejected.
     assert low.mode == 0 and low.acceptance == pytest.approx(1.0, abs=TOLERANCE), low
     # Then, with the server plain, the replay saw the drafts right and speculation resumed.
