@@ -59,26 +59,12 @@ import torch
 
 from sglang_dynspec import compat
 from sglang_dynspec.compat import ForwardMode, ScheduleBatch
-from sglang_dynspec.device_timer import DeviceTimer, HostCopy
+from sglang_dynspec.device_timer import DeviceTimer, HostCopy, to_device
 from sglang_dynspec.metric_names import CatchUpReason
 
 # Reports a queued catch-up: (reason, requests, tokens, timer) -> None
 # (``controller.ModeController.on_catch_up``).
 CatchUpReport = Callable[[CatchUpReason, int, int, DeviceTimer], None]
-
-
-def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
-    """Host values on ``device``, without making the host wait for the device.
-
-    A copy from pageable memory synchronises the CUDA stream, which would drain the
-    overlap scheduler's pipeline at every catch-up; a pinned staging tensor and an
-    asynchronous copy do not (PyTorch keeps the staging memory alive until the copy
-    has run).
-    """
-    host = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)

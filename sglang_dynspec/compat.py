@@ -72,6 +72,8 @@ from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorker
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
+from sglang_dynspec.device_timer import to_device
+
 SGLANG_VERSION: str = getattr(sglang, "__version__", "unknown")
 
 
@@ -838,9 +840,9 @@ def extend_last_rows(batch: ScheduleBatch) -> torch.Tensor | None:
     lens = batch.extend_lens
     if not lens or batch.input_ids is None:
         return None
-    return (
-        torch.tensor(list(itertools.accumulate(lens)), dtype=torch.int64).sub_(1).to(batch.input_ids.device)
-    )
+    # Through pinned memory: a plain ``.to(device)`` would synchronize the stream at
+    # every prefill and mixed step (to_device).
+    return to_device([end - 1 for end in itertools.accumulate(lens)], torch.int64, batch.input_ids.device)
 
 
 @contextlib.contextmanager

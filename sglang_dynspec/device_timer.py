@@ -4,6 +4,7 @@ The scheduler's host thread runs ahead of the device (under the overlap schedule
 a whole step); a ``synchronize`` or a blocking read on the hot path would drain that
 pipeline. So device work is bracketed by CUDA events, and its time is read by
 polling: :class:`DeferredReadings` calls each callback once its timer has completed.
+Host values go the other way through :func:`to_device`, which does not wait either.
 Plain torch; no SGLang.
 """
 
@@ -131,3 +132,17 @@ class HostCopy:
                 self._event.synchronize()
             self._values = self._host.tolist()
         return self._values
+
+
+def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """Host values (a list) on ``device``, without making the host wait for the device.
+
+    ``torch.tensor(values).to(device)`` copies from pageable memory, which PyTorch
+    follows with a stream synchronize: at every prefill or catch-up that would drain
+    the overlap scheduler's pipeline. A pinned staging tensor and an asynchronous copy
+    do not (PyTorch keeps the staging memory alive until the copy has run).
+    """
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
