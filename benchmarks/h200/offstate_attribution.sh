@@ -10,8 +10,9 @@
 #      ITL p50/p99, TTFT, and the dynamic server's steps per mode and catch-ups);
 #   2. prefill only (output 1 token, 8xC requests at C=64): the EAGLE-3 prefill path's
 #      cost beside the baseline's, with no decode step at all (kind prefill_only);
-#   3. for baseline and dynamic, a torch-profiler trace of 30 forward steps of a steady
-#      C=64 load, summarized on the device (benchmarks/profiles/summarize_trace.py), and
+#   3. for baseline and dynamic, a torch-profiler trace of PROFILE_STEPS (default 30)
+#      forward steps of a steady C=64 load (160 or more see a buffer-full flush of the
+#      default 128-position buffer), summarized on the device (benchmarks/profiles/summarize_trace.py), and
 #      the kernels per decode step of dynamic against the baseline (--diff), in
 #      $OUT/profiles.md; the traces are not brought back (too large).
 #
@@ -33,6 +34,17 @@ BENCH=(--url "$URL" --prompt-len 256 --output-len 256 --no-progress --tag hw=H20
        --tag "acc_len=$SGLANG_SIMULATE_ACC_LEN" --tag "plugin_commit=${PLUGIN_COMMIT:-unknown}")
 PROF_ROOT=$(cd "$OUT" && pwd)/prof
 mkdir -p "$OUT/logs" "$PROF_ROOT"
+# The logs go back as one archive (a call returns at most 8 files), packed on any exit: a
+# `timeout` that ends the call sends TERM to the whole group, which the TERM trap turns
+# into an exit.
+pack_logs() {
+  [ -n "${SERVER_PID:-}" ] && stop_server 2> /dev/null
+  mv "$OUT"/server_*.log "$OUT/logs/" 2> /dev/null
+  [ -d "$OUT/logs" ] && tar -C "$OUT" -cJf "$OUT/logs.tar.xz" logs && rm -rf "$OUT/logs"
+  rm -rf "$PROF_ROOT"
+}
+trap pack_logs EXIT
+trap 'exit 124' TERM
 
 server_args() {
   case $1 in
@@ -61,7 +73,7 @@ for cfg in ${CONFIGS:-baseline dynamic dynamic-t0}; do
     LOAD=$!
     sleep 4
     curl -s -X POST "$URL/start_profile" -H 'Content-Type: application/json' \
-      -d "{\"output_dir\": \"$PROF_ROOT/$cfg\", \"num_steps\": 30, \"activities\": [\"CPU\", \"GPU\"], \"profile_prefix\": \"$cfg\"}"
+      -d "{\"output_dir\": \"$PROF_ROOT/$cfg\", \"num_steps\": ${PROFILE_STEPS:-30}, \"activities\": [\"CPU\", \"GPU\"], \"profile_prefix\": \"$cfg\"}"
     echo
     wait $LOAD ;;
   esac
@@ -78,7 +90,5 @@ trace() { find "$PROF_ROOT/$1" -name "*.trace.json.gz" 2>/dev/null | head -n 1; 
   [ -n "$(trace baseline)" ] && [ -n "$(trace dynamic)" ] && \
     python3 benchmarks/profiles/summarize_trace.py --diff --top 16 "$(trace baseline)" "$(trace dynamic)"
 } > "$OUT/profiles.md" 2>&1
-rm -rf "$PROF_ROOT"
 python3 benchmarks/summarize.py "$RESULTS" || true
 grep -h "prefill_only" "$RESULTS"
-tar -C "$OUT" -cJf "$OUT/logs.tar.xz" logs && rm -rf "$OUT/logs"
