@@ -5,6 +5,7 @@
 #   bash benchmarks/h200/kits.sh --prepare       # unpacks sglang/test of the 0.5.17 wheel into .gpu-kits/
 # then on the device (carry .gpu and .gpu-kits):
 #   bash benchmarks/h200/kits.sh                 # results: $OUT/kits.jsonl, logs: $OUT/kits-logs.tar.xz
+#   KITS_CLASSES=DynamicCrossingModes bash benchmarks/h200/kits.sh   # one class (StockEagle3: the control)
 set -u
 if [ "${1:-}" = --prepare ]; then
   tmp=$(mktemp -d)
@@ -41,7 +42,8 @@ for mod in datasets tabulate; do
 done
 export PYTHONPATH=$PYTHONPATH:/tmp/kit-stubs
 python3 -c "import sglang.test.kits.spec_server_kits" || exit 1
-python3 benchmarks/h200/kits_gpu.py "$M" "$OUT/kits.jsonl" > "$OUT/kits.log" 2>&1
+# shellcheck disable=SC2086  # KITS_CLASSES: class names, space-separated (default both)
+python3 benchmarks/h200/kits_gpu.py "$M" "$OUT/kits.jsonl" ${KITS_CLASSES:-} > "$OUT/kits.log" 2>&1
 status=$?
 cat "$OUT/kits.jsonl" | cut -c1-300
 tail -5 "$OUT/kits.log"

@@ -1,6 +1,6 @@
 """Issue 21 §1 on the H200: SGLang's parity and logprob kits, unchanged, with SGLang's own fixture.
 
-    python3 benchmarks/h200/kits_gpu.py MODELS_DIR RESULTS.jsonl   # after kits.sh put sglang/test in place
+    python3 benchmarks/h200/kits_gpu.py MODELS_DIR RESULTS.jsonl [CLASS ...]   # after kits.sh put sglang/test in place
 
 ``SpecParityKit`` and ``SpecLogprobKit`` (SGLang 0.5.17's ``sglang.test.kits.spec_server_kits``)
 are mixed into SGLang's ``SpecEagleServerBase`` exactly as SGLang's own test classes do; only the
@@ -10,7 +10,8 @@ triton attention, bf16, and ``--enable-deterministic-inference`` on the kit's re
 the server under test. Two servers under test: EAGLE3_DYNAMIC at thresholds that make the kits'
 requests cross both modes, and stock EAGLE3 as the control (SGLang's verify numerics differ from
 its decode's, so the parity kit may fail for stock EAGLE3 on requests that speculate).
-Each kit method's result is one JSON line in RESULTS.jsonl (the servers' output goes to this
+CLASS names the classes to run (default both; one class with its servers fits a device call
+that the pair may not). Each kit method's result is one JSON line in RESULTS.jsonl (the servers' output goes to this
 process's stdout and stderr); the exit code is unittest's.
 """
 
@@ -21,7 +22,7 @@ import unittest
 from sglang.test.kits.spec_server_kits import SpecLogprobKit, SpecParityKit
 from sglang.test.server_fixtures.spec_eagle_fixture import SpecEagleServerBase
 
-MODELS, RESULTS = sys.argv[1], sys.argv[2]
+MODELS, RESULTS, CLASSES = sys.argv[1], sys.argv[2], sys.argv[3:]
 
 
 class _Knobs:
@@ -71,8 +72,12 @@ class _JsonResult(unittest.TextTestResult):
 
 
 if __name__ == "__main__":
+    cases = {case.__name__: case for case in (DynamicCrossingModes, StockEagle3)}
+    unknown = sorted(set(CLASSES) - set(cases))
+    if unknown:
+        sys.exit(f"unknown classes {unknown}; choose from {sorted(cases)}")
     suite = unittest.TestSuite(
-        unittest.defaultTestLoader.loadTestsFromTestCase(case) for case in (DynamicCrossingModes, StockEagle3)
+        unittest.defaultTestLoader.loadTestsFromTestCase(cases[name]) for name in (CLASSES or cases)
     )
     result = unittest.TextTestRunner(resultclass=_JsonResult, verbosity=2).run(suite)
     sys.exit(0 if result.wasSuccessful() else 1)
