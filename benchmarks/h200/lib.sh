@@ -38,6 +38,17 @@ start_server() {
   echo "{\"server\": \"$name\", \"up\": true, \"start_s\": $((SECONDS - t0))}"
 }
 
+# stop_server: stops the last server started; does nothing once it is stopped, or if none was.
 stop_server() {
-  kill -TERM "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null; sleep 2
+  [ -n "${SERVER_PID:-}" ] || return 0
+  kill -TERM "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null; SERVER_PID=; sleep 2
+}
+
+# on_exit FUNCTION: runs FUNCTION on any exit of the script, a `timeout` included (it sends
+# TERM to the whole group; the TERM trap turns that into an exit). A call returns at most 8
+# files, so scripts pack their logs into one archive there, and a call that runs out of
+# time still brings them back (on 2026-12-03 two calls ran past their limits before packing).
+on_exit() {
+  trap "$1" EXIT
+  trap 'exit 124' TERM
 }

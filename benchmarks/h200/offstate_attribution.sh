@@ -34,17 +34,14 @@ BENCH=(--url "$URL" --prompt-len 256 --output-len 256 --no-progress --tag hw=H20
        --tag "acc_len=$SGLANG_SIMULATE_ACC_LEN" --tag "plugin_commit=${PLUGIN_COMMIT:-unknown}")
 PROF_ROOT=$(cd "$OUT" && pwd)/prof
 mkdir -p "$OUT/logs" "$PROF_ROOT"
-# The logs go back as one archive (a call returns at most 8 files), packed on any exit: a
-# `timeout` that ends the call sends TERM to the whole group, which the TERM trap turns
-# into an exit.
+# The logs go back as one archive, packed on any exit (lib.sh on_exit).
 pack_logs() {
-  [ -n "${SERVER_PID:-}" ] && stop_server 2> /dev/null
+  stop_server
   mv "$OUT"/server_*.log "$OUT/logs/" 2> /dev/null
   [ -d "$OUT/logs" ] && tar -C "$OUT" -cJf "$OUT/logs.tar.xz" logs && rm -rf "$OUT/logs"
   rm -rf "$PROF_ROOT"
 }
-trap pack_logs EXIT
-trap 'exit 124' TERM
+on_exit pack_logs
 
 server_args() {
   case $1 in

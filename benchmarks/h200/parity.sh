@@ -27,17 +27,13 @@ DYNAMIC=(--speculative-algorithm EAGLE3_DYNAMIC --speculative-draft-model-path "
   --speculative-dynamic-policy threshold --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4
   --speculative-disable-batch-threshold 8 --speculative-min-dwell-steps 0 --enable-metrics)
 P=benchmarks/h200/parity.py
-# A call returns at most 8 files: responses, metrics and logs go back as one archive, packed
-# on every exit. A `timeout` that ends the call sends TERM to the whole group: the TERM trap
-# turns it into an exit so that the archive is still written (on 2026-12-03 a slow machine
-# ran past 570 s and the unpacked files did not come back).
+# Responses, metrics and logs go back as one archive, packed on any exit (lib.sh on_exit).
 pack() {
-  stop_server 2> /dev/null
+  stop_server
   (cd "$OUT" && tar -cJf parity.tar.xz ./*.json metrics-*.txt server_*.log 2> /dev/null \
     && rm -f ./*.json metrics-*.txt server_*.log)
 }
-trap pack EXIT
-trap 'exit 124' TERM
+on_exit pack
 metrics() { curl -s "$URL/metrics" | grep -E "spec_dynamic_(decode_steps|switches|catch_ups|plain_graph_steps)_total" | grep -v "^#"; }
 
 start_server baseline "${TINY[@]}" || exit 1
