@@ -7,7 +7,10 @@ several); ``KEY=none`` matches rows without the key.
 
 For each concurrency: mean output tok/s of each configuration with its spread over
 repeats (min-max), the ratios to the baseline, and dynamic / max(baseline, EAGLE-3),
-all from the same run. Then latency percentiles (median over repeats).
+all from the same run. Then latency percentiles (median over repeats). Then, for every other
+configuration (the off-state runs: ``dynamic-t384``, ``dynamic-plain``, or ``dynamic`` without an
+EAGLE-3 server), each repeat's output tok/s over the baseline's in the same repeat, their median,
+and each repeat's ITL p99 over the baseline's: issue 19's targets.
 """
 
 from __future__ import annotations
@@ -83,6 +86,32 @@ def main(path, where=()):
                 )
             )
         print(f"| {c} | " + " | ".join(cells) + " |")
+    print_against_baseline(points, concurrencies)
+
+
+def print_against_baseline(points, concurrencies):
+    """Per repeat, paired with the baseline's repeat of the same index (run in the same call)."""
+    others = sorted({cfg for (cfg, _) in points} - {"baseline", "eagle3"})
+    rows = []
+    for cfg in others:
+        for c in concurrencies:
+            base = {r["repeat"]: r for r in points[("baseline", c)]}
+            pairs = [(r, base[r["repeat"]]) for r in points[(cfg, c)] if r["repeat"] in base]
+            if not pairs:
+                continue
+            ratios = [r["output_tok_s"] / b["output_tok_s"] for r, b in pairs]
+            p99 = [r["itl_p99_ms"] / b["itl_p99_ms"] for r, b in pairs]
+            spec = [r.get("spec_step_frac") for r, _ in pairs]
+            rows.append(
+                f"| {cfg} | {c} | {', '.join(f'{x:.3f}' for x in ratios)} | **{statistics.median(ratios):.3f}** "
+                f"| {', '.join(f'{x:.2f}' for x in p99)} "
+                f"| {'/'.join('–' if x is None else f'{x:.0%}' for x in spec)} |"
+            )
+    if rows:
+        print()
+        print("| config | C | ÷ baseline, per repeat | median | ITL p99 ÷ baseline's | steps in spec mode |")
+        print("|---|---|---|---|---|---|")
+        print("\n".join(rows))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
 # then on the device (carry .gpu and .gpu-kits):
 #   bash benchmarks/h200/kits.sh                 # results: $OUT/kits.jsonl, logs: $OUT/kits-logs.tar.xz
 #   KITS_CLASSES=DynamicCrossingModes bash benchmarks/h200/kits.sh   # one class (StockEagle3: the control)
+#   KITS_CLASSES=DynamicCrossingModes.test_logprob_mixed bash ...    # one method (KIT_METHOD_TIMEOUT_S: 240)
 set -u
 if [ "${1:-}" = --prepare ]; then
   tmp=$(mktemp -d)

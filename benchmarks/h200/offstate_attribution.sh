@@ -10,17 +10,19 @@
 #      ITL p50/p99, TTFT, and the dynamic server's steps per mode and catch-ups);
 #   2. prefill only (output 1 token, 8xC requests at C=64): the EAGLE-3 prefill path's
 #      cost beside the baseline's, with no decode step at all (kind prefill_only);
-#   3. for baseline and dynamic, a torch-profiler trace of PROFILE_STEPS (default 30)
-#      forward steps of a steady C=64 load (160 or more see a buffer-full flush of the
+#   3. for PROFILE_CONFIGS (default baseline dynamic), a torch-profiler trace of PROFILE_STEPS (default 30)
+#      forward steps of a steady C=64 load (8xC requests, PROFILE_REQ_PER_C) (160 or more see a buffer-full flush of the
 #      default 128-position buffer), summarized on the device (benchmarks/profiles/summarize_trace.py), and
-#      the kernels per decode step of dynamic against the baseline (--diff), in
+#      the kernels per decode step of each against the baseline (--diff), in
 #      $OUT/profiles.md; the traces are not brought back (too large).
 #
 # CONFIGS picks the servers (default: baseline dynamic dynamic-t0); dynamic-tN is
 # EAGLE3_DYNAMIC with --speculative-catch-up-tokens N (0: no catch-up); dynamic-pieces is
 # EAGLE3_DYNAMIC with its buffer-full flushes in pieces of FLUSH_TOKENS positions
 # (SGLANG_DYNSPEC_FLUSH_TOKENS, default 2048 here). WAVES: requests per point = WAVES x C
-# (default 2); PROFILE_CONFIGS="" skips the profiles.
+# (default 2); PROFILE_CONFIGS="" skips the profiles; SWEEP_CONFIGS (default: all) the servers that
+# run the sweep and the prefill-only point; dynamic-plain is EAGLE3_DYNAMIC held plain (threshold 1),
+# for a profile of the off state: PROFILE_CONFIGS="baseline dynamic-plain".
 # Usage (on the device, repo root): SHAPE=8b PLUGIN_COMMIT=<sha> bash benchmarks/h200/offstate_attribution.sh
 #   e.g. the flush A/B: CONFIGS="baseline dynamic dynamic-pieces" WAVES=4 REPEATS=3 PROFILE_CONFIGS="" ...
 set -u
@@ -50,10 +52,16 @@ server_args() {
     # dynamic-tN: the catch-up buffer at N positions per request (0: catch-up off).
     dynamic-t[0-9]*) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics --speculative-catch-up-tokens "${1#dynamic-t}" ;;
     dynamic-pieces) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
+    # dynamic-plain: plain above 1 running request whatever the step costs say. For a profile
+    # of the off state: under the profiler the measured plain steps slow down and the default
+    # policy resumed speculation at C=64 (2026-12-03, plugin d594c0d: no plain-mode trace).
+    dynamic-plain) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics \
+      --speculative-dynamic-policy threshold --speculative-disable-batch-threshold 1 ;;
   esac
 }
 
-for cfg in ${CONFIGS:-baseline dynamic dynamic-t0}; do
+CONFIG_LIST=${CONFIGS:-baseline dynamic dynamic-t0}
+for cfg in $CONFIG_LIST; do
   if [ "$cfg" = dynamic-pieces ]; then
     export SGLANG_DYNSPEC_FLUSH_TOKENS=${FLUSH_TOKENS:-2048}
   else
@@ -61,12 +69,15 @@ for cfg in ${CONFIGS:-baseline dynamic dynamic-t0}; do
   fi
   # shellcheck disable=SC2046
   start_server "$cfg" $(server_args "$cfg") --log-level info || continue
-  python3 -m sglang_dynspec.bench sweep "${BENCH[@]}" --config "$cfg" --concurrency "${C:-64,128}" \
-    --repeats "${REPEATS:-2}" --waves "${WAVES:-2}" --out "$RESULTS" 2> "$OUT/logs/sweep_$cfg.err" | tail -n 2
-  REQ_PER_C=8 python3 .gpu/client.py "$URL" 64 256 1 \
-    | sed -u "s/^/{\"kind\": \"prefill_only\", \"config\": \"$cfg\", \"prompt_len\": 256, \"r\": /; s/\$/}/" | tee -a "$RESULTS"
+  case " ${SWEEP_CONFIGS-$CONFIG_LIST} " in *" $cfg "*)
+    python3 -m sglang_dynspec.bench sweep "${BENCH[@]}" --config "$cfg" --concurrency "${C:-64,128}" \
+      --repeats "${REPEATS:-2}" --waves "${WAVES:-2}" --out "$RESULTS" 2> "$OUT/logs/sweep_$cfg.err" | tail -n 2
+    REQ_PER_C=8 python3 .gpu/client.py "$URL" 64 256 1 \
+      | sed -u "s/^/{\"kind\": \"prefill_only\", \"config\": \"$cfg\", \"prompt_len\": 256, \"r\": /; s/\$/}/" | tee -a "$RESULTS" ;;
+  esac
   case " ${PROFILE_CONFIGS-baseline dynamic} " in *" $cfg "*)
-    REQ_PER_C=4 python3 .gpu/client.py "$URL" 64 256 256 > /dev/null &
+    # 8xC requests: 200 profiled steps end before the load does (4xC did not on 2026-12-03).
+    REQ_PER_C=${PROFILE_REQ_PER_C:-8} python3 .gpu/client.py "$URL" 64 256 256 > /dev/null &
     LOAD=$!
     sleep 4
     curl -s -X POST "$URL/start_profile" -H 'Content-Type: application/json' \
@@ -81,11 +92,13 @@ done
 
 trace() { find "$PROF_ROOT/$1" -name "*.trace.json.gz" 2>/dev/null | head -n 1; }
 {
-  for cfg in baseline dynamic; do
-    t=$(trace $cfg); [ -n "$t" ] && python3 benchmarks/profiles/summarize_trace.py "$t"
+  for cfg in $CONFIG_LIST; do
+    t=$(trace "$cfg"); [ -n "$t" ] && python3 benchmarks/profiles/summarize_trace.py "$t"
   done
-  [ -n "$(trace baseline)" ] && [ -n "$(trace dynamic)" ] && \
-    python3 benchmarks/profiles/summarize_trace.py --diff --top 16 "$(trace baseline)" "$(trace dynamic)"
+  for cfg in $CONFIG_LIST; do
+    [ "$cfg" != baseline ] && [ -n "$(trace baseline)" ] && [ -n "$(trace "$cfg")" ] && \
+      python3 benchmarks/profiles/summarize_trace.py --diff --top 16 "$(trace baseline)" "$(trace "$cfg")"
+  done
 } > "$OUT/profiles.md" 2>&1
 python3 benchmarks/summarize.py "$RESULTS" || true
 grep -h "prefill_only" "$RESULTS"
