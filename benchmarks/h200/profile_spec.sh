@@ -1,0 +1,68 @@
+#!/bin/bash
+# Issue 20, step 1: where a speculative step's time goes, on the H200 (SGLang 0.5.17, CUDA graphs,
+# triton attention, EAGLE-3 steps 3 / topk 1 / 4 draft tokens, simulated acceptance ACC, default
+# 3.0), beside the plain step of a baseline server, in one call.
+#
+# For each server of CONFIGS (default: baseline eagle3) and each POINT C:PROMPT (default
+# 16:256 64:256 128:256 64:1024): a closed-loop load of 8xC requests of PROMPT tokens and 256
+# output tokens, and, once it is steady (PROFILE_WAIT_S, default 4 s), SGLang's /start_profile
+# for PROFILE_STEPS (default 40) forward steps, CPU and GPU. Each trace is summarized on the
+# device (benchmarks/profiles/summarize_trace.py: per step kind, `step[TARGET_VERIFY ..]`,
+# `step[DRAFT_EXTEND ..]` ..., the GPU span, the kernel time inside it and the period; the GPU's
+# busy share; the kernel time outside every step annotation, where the draft's decode graph
+# replays land if SGLang does not annotate them) into $OUT/profiles-spec.md, then deleted (too
+# large to bring back); the load's own tok/s go to $OUT/profile-spec.jsonl.
+# The bound each phase is measured against is in issue 20 (≈ 4.5-6 ms for a step at C=64).
+# Usage (on the device, repo root, carry .gpu): bash benchmarks/h200/profile_spec.sh
+#   e.g. CONFIGS=eagle3 POINTS="64:256" PROFILE_STEPS=60 bash benchmarks/h200/profile_spec.sh
+set -u
+source .gpu/device-env.sh || exit 1
+SHAPE=${SHAPE:-8b}
+source benchmarks/h200/lib.sh  # SHAPE picks the models
+export SGLANG_SIMULATE_ACC_LEN=${ACC:-3.0}
+SPEC=("${EAGLE_ARGS[@]}" --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)
+PROF_ROOT=$(cd "$OUT" && pwd)/prof
+mkdir -p "$OUT/logs" "$PROF_ROOT"
+pack_logs() {
+  stop_server
+  mv "$OUT"/server_*.log "$OUT/logs/" 2> /dev/null
+  [ -d "$OUT/logs" ] && tar -C "$OUT" -cJf "$OUT/logs.tar.xz" logs && rm -rf "$OUT/logs"
+  rm -rf "$PROF_ROOT"
+}
+on_exit pack_logs
+
+server_args() {
+  case $1 in
+    baseline) echo --enable-metrics ;;
+    eagle3) echo --speculative-algorithm EAGLE3 "${SPEC[@]}" --enable-metrics ;;
+    dynamic) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
+    *) echo "unknown config $1 (baseline, eagle3, dynamic)" >&2; return 1 ;;
+  esac
+}
+
+for cfg in ${CONFIGS:-baseline eagle3}; do
+  args=$(server_args "$cfg") || continue
+  # shellcheck disable=SC2086  # the server's flags, word-split on purpose
+  start_server "$cfg" $args || continue
+  for point in ${POINTS:-16:256 64:256 128:256 64:1024}; do
+    c=${point%%:*} prompt=${point#*:}
+    dir=$PROF_ROOT/$cfg-c$c-p$prompt
+    REQ_PER_C=8 python3 .gpu/client.py "$URL" "$c" "$prompt" 256 \
+      | sed -u "s/^/{\"config\": \"$cfg\", \"prompt_len\": $prompt, \"r\": /; s/\$/}/" >> "$OUT/profile-spec.jsonl" &
+    load=$!
+    sleep "${PROFILE_WAIT_S:-4}"
+    curl -s -X POST "$URL/start_profile" -H 'Content-Type: application/json' \
+      -d "{\"output_dir\": \"$dir\", \"num_steps\": ${PROFILE_STEPS:-40}, \"activities\": [\"CPU\", \"GPU\"], \"profile_prefix\": \"$cfg\"}" > /dev/null
+    wait $load
+    trace=$(find "$dir" -name "*.trace.json.gz" 2> /dev/null | head -n 1)
+    {
+      echo "# $cfg, C=$c, prompt $prompt, output 256, acceptance $SGLANG_SIMULATE_ACC_LEN"
+      echo
+      if [ -n "$trace" ]; then python3 benchmarks/profiles/summarize_trace.py "$trace"; else echo "(no trace written)"; fi
+      echo
+    } >> "$OUT/profiles-spec.md" 2>&1
+    rm -rf "$dir"
+  done
+  stop_server
+done
+cat "$OUT/profile-spec.jsonl"
