@@ -691,12 +691,19 @@ class DraftCatchUp:
 
 
 def new_catch_up(
-    spec_worker, capacity: int, report: CatchUpReport, compare: bool = False, flush_tokens: int = 0
+    spec_worker,
+    capacity: int,
+    report: CatchUpReport,
+    compare: bool = False,
+    flush_tokens: int = 0,
+    eager_draft_tokens: int = 0,
 ) -> CatchUp:
     """The catch-up of ``spec_worker`` with ``capacity`` positions per request (0: none);
     ``compare``: tally the draft's proposals against the target's tokens (``replays``;
     left off for a draft model whose logits head ``compat.draft_top1`` cannot read);
-    ``flush_tokens``: positions one buffer-full flush replays at most (0: no limit)."""
+    ``flush_tokens``: positions one buffer-full flush replays at most (0: no limit);
+    ``eager_draft_tokens``: flushes of at least this many positions run outside SGLang's
+    draft prefill graph (``compat.draft_graph_off_from``; 0: never)."""
     if not capacity:
         return NoCatchUp()
     return DraftCatchUp(
@@ -705,7 +712,8 @@ def new_catch_up(
         hidden_width=compat.target_hidden_width(spec_worker),
         hidden_dtype=compat.target_hidden_dtype(spec_worker),
         passes=DraftPasses(
-            *compat.draft_passes(spec_worker), compat.draft_top1(spec_worker) if compare else None
+            *compat.draft_passes(spec_worker, eager_draft_tokens),
+            compat.draft_top1(spec_worker) if compare else None,
         ),
         report=report,
         flush_tokens=flush_tokens,

@@ -315,6 +315,8 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
     HostSymbols(LlamaForCausalLMEagle3, ("model",)),
     HostSymbols(llama_eagle3.LlamaModel, ("layers",)),
     HostSymbols(llama_eagle3.LlamaDecoderLayer, ("mlp",)),
+    # ... which takes effect only outside the draft's prefill CUDA graph (draft_graph_off_from).
+    HostSymbols(ModelRunner, ("prefill_cuda_graph_runner",)),
     HostSymbols(LogitsMetadata, ("forward_mode",)),
     # Step-cost calibration: the synthetic decode batch and the limits of the grid
     # (synthetic_decode_batch, synthetic_batch_limits, decode_graph_batch_sizes).
@@ -682,9 +684,13 @@ def request_pool_size(spec_worker) -> int:
     return int(request_to_token_table(spec_worker).shape[0])
 
 
-def draft_passes(spec_worker) -> tuple[Callable, Callable]:
-    """``(run_draft_extend, fill_draft_kv)`` bound to ``spec_worker`` (the catch-up's two passes)."""
-    return functools.partial(run_draft_extend, spec_worker), functools.partial(fill_draft_kv, spec_worker)
+def draft_passes(spec_worker, eager_from: int = 0) -> tuple[Callable, Callable]:
+    """``(run_draft_extend, fill_draft_kv)`` bound to ``spec_worker`` (the catch-up's two
+    passes); ``eager_from``: see :func:`fill_draft_kv`."""
+    return (
+        functools.partial(run_draft_extend, spec_worker),
+        functools.partial(fill_draft_kv, spec_worker, eager_from=eager_from),
+    )
 
 
 # --------------------------------------------------------------------------- calls
@@ -833,6 +839,26 @@ def last_mlp_only_at(layer, rows: torch.Tensor | None) -> Iterator[None]:
         layer.mlp = mlp
 
 
+@contextlib.contextmanager
+def draft_graph_off_from(spec_worker, num_tokens: int, eager_from: int) -> Iterator[None]:
+    """Within the block the draft's forwards run eagerly, outside SGLang's draft prefill
+    CUDA graph, if ``num_tokens`` is at least ``eager_from`` (0: never). That graph
+    replays the draft's last MLP at every row as captured, so :class:`MlpAtRows` takes
+    nothing off a forward it covers (up to 8,192 tokens on the H200 with SGLang 0.5.17;
+    ``config.EAGER_DRAFT_TOKENS_ENV``). Both versions' ``ModelRunner._forward_raw`` run an
+    EXTEND eagerly when the runner's ``prefill_cuda_graph_runner`` is None."""
+    runner = spec_worker.draft_worker.draft_runner
+    graph = getattr(runner, "prefill_cuda_graph_runner", None)
+    if not eager_from or num_tokens < eager_from or graph is None:
+        yield
+        return
+    runner.prefill_cuda_graph_runner = None
+    try:
+        yield
+    finally:
+        runner.prefill_cuda_graph_runner = graph
+
+
 def extend_last_rows(batch: ScheduleBatch) -> torch.Tensor | None:
     """``[bs]`` the index of each request's last token in a prefill or mixed batch's
     flat token layout (the layout of SGLang's draft pass after the target's prefill),
@@ -846,20 +872,33 @@ def extend_last_rows(batch: ScheduleBatch) -> torch.Tensor | None:
 
 
 @contextlib.contextmanager
-def draft_mlp_at_last_rows(spec_worker, batch: ScheduleBatch) -> Iterator[None]:
+def draft_mlp_at_last_rows(spec_worker, batch: ScheduleBatch, eager_from: int = 0) -> Iterator[None]:
     """Within the block (a prefill or mixed step through SGLang's EAGLE-3 path), the
     draft's last MLP runs only at each request's last token: the draft pass after the
     target's prefill keeps the logits and hidden state of that token alone (hidden
     capture LAST, no logprobs, in both versions' ``_draft_extend_for_prefill``), and
-    every draft K/V comes before that MLP (:class:`MlpAtRows`). An idle step: nothing
-    changes."""
+    every draft K/V comes before that MLP (:class:`MlpAtRows`). From ``eager_from``
+    tokens (0: never) that pass runs outside the draft's prefill graph, where the cut
+    takes effect (:func:`draft_graph_off_from`). An idle step: nothing changes."""
     rows = None if is_idle_step(batch) else extend_last_rows(batch)
-    with last_mlp_only_at(draft_last_layer(spec_worker) if rows is not None else None, rows):
+    layer = draft_last_layer(spec_worker) if rows is not None else None
+    num_tokens = len(batch.input_ids) if layer is not None else 0
+    with (
+        draft_graph_off_from(spec_worker, num_tokens, eager_from if layer is not None else 0),
+        last_mlp_only_at(layer, rows),
+    ):
         yield
 
 
 def fill_draft_kv(
-    spec_worker, extend_batch: ScheduleBatch, target_hidden, tail_tokens, last_rows, compared_rows=None
+    spec_worker,
+    extend_batch: ScheduleBatch,
+    target_hidden,
+    tail_tokens,
+    last_rows,
+    compared_rows=None,
+    *,
+    eager_from: int = 0,
 ) -> None:
     """Write the draft KV of ``extend_batch``'s positions; no proposals.
 
@@ -874,8 +913,10 @@ def fill_draft_kv(
     ``EagleDraftExtendInput`` as ``_draft_extend_for_prefill`` builds (multimodal
     inputs and DSA seeding, which a catch-up never has, aside), with the draft's last
     MLP computed only at ``compared_rows`` (``MlpAtRows``; the rows whose proposal a
-    replay tally reads; None: none). Under SGLang's KV canary (a debugging mode that
-    wraps that forward) it defers to ``run_draft_extend``.
+    replay tally reads; None: none), outside the draft's prefill graph from
+    ``eager_from`` tokens (:func:`draft_graph_off_from`; 0: wherever SGLang uses it).
+    Under SGLang's KV canary (a debugging mode that wraps that forward) it defers to
+    ``run_draft_extend``.
     """
     draft_worker = spec_worker.draft_worker
     draft_runner = draft_worker.draft_runner
@@ -889,7 +930,12 @@ def fill_draft_kv(
     extend_batch.spec_info = EagleDraftExtendInput(
         hidden_states=target_hidden, num_tokens_per_req=1, num_tokens_for_logprob_per_req=1
     )
-    with draft_extend_contexts(spec_worker), last_mlp_only_at(draft_last_layer(spec_worker), compared_rows):
+    layer = draft_last_layer(spec_worker)
+    with (
+        draft_extend_contexts(spec_worker),
+        draft_graph_off_from(spec_worker, len(rotated), eager_from if layer is not None else 0),
+        last_mlp_only_at(layer, compared_rows),
+    ):
         forward_batch = ForwardBatch.init_new(
             extend_batch,
             draft_runner,

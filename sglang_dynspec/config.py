@@ -185,6 +185,16 @@ ENABLED_ENV = "SGLANG_DYNSPEC_ENABLED"
 # bound the stall but each costs a fixed part, so the default stays 0 until a device
 # call has compared them.
 FLUSH_TOKENS_ENV = "SGLANG_DYNSPEC_FLUSH_TOKENS"
+# Draft forwards that need the draft's last MLP at a few rows only (a buffer-full flush;
+# the draft pass over a prefill, which keeps each request's last token) leave that MLP
+# out elsewhere (compat.MlpAtRows), which SGLang's draft prefill CUDA graph cannot do:
+# it replays the MLP it captured at every row. On the H200 (SGLang 0.5.17) that graph
+# covers up to 8,192 tokens, so a flush of 64 x 128 positions ran the whole MLP and took
+# the same 9.6-10.0 ms with and without the cut (benchmarks/results/h200-20261203-2c4f5f3/).
+# From this many tokens such a forward runs eagerly; 0: never (SGLang's graph wherever it
+# applies).
+EAGER_DRAFT_TOKENS_ENV = "SGLANG_DYNSPEC_EAGER_DRAFT_TOKENS"
+DEFAULT_EAGER_DRAFT_TOKENS = 1024
 # Where the start-up step-cost tables are cached (cost_cache); "off" disables the cache.
 COST_CACHE_ENV = "SGLANG_DYNSPEC_COST_CACHE"
 
@@ -284,6 +294,8 @@ class Settings:
     penalties: str = _set_by(PENALTIES.describe())  # one of PENALTY_MODES
     # Positions one buffer-full flush replays at most; 0: the whole batch's gaps at once
     flush_tokens: int = _set_by(FLUSH_TOKENS_ENV)
+    # Tokens from which a draft forward that needs its last MLP at a few rows runs eagerly; 0: never
+    eager_draft_tokens: int = _set_by(EAGER_DRAFT_TOKENS_ENV)
     # False: plain steps run eagerly (saves the graph's memory)
     plain_cuda_graph: bool = _set_by(PLAIN_CUDA_GRAPH_ENV)
     # True: per-request step modes in meta_info (REQUEST_MODES_KEY)
@@ -369,6 +381,13 @@ def flush_tokens_from_environ(environ: Mapping[str, str] = os.environ) -> int:
     return 0 if value is None else value
 
 
+def eager_draft_tokens_from_environ(environ: Mapping[str, str] = os.environ) -> int:
+    """Tokens from which a flush or a prefill's draft pass runs outside SGLang's draft
+    prefill graph (0: never); raise ConfigError naming the variable."""
+    value = _non_negative_int(environ, EAGER_DRAFT_TOKENS_ENV, EAGER_DRAFT_TOKENS_ENV)
+    return DEFAULT_EAGER_DRAFT_TOKENS if value is None else value
+
+
 def settings_from_environ(environ: Mapping[str, str] = os.environ) -> Settings:
     """Read every plugin setting; raise ConfigError naming the first bad one."""
     policy = policy_from_environ(environ)
@@ -394,6 +413,7 @@ def settings_from_environ(environ: Mapping[str, str] = os.environ) -> Settings:
         speculation_bound=bound,
         catch_up_tokens=catch_up_tokens_from_environ(environ),
         flush_tokens=flush_tokens_from_environ(environ),
+        eager_draft_tokens=eager_draft_tokens_from_environ(environ),
         penalties=penalties_from_environ(environ),
         plain_cuda_graph=env_bool(PLAIN_CUDA_GRAPH_ENV, True, environ),
         request_modes=env_bool(REQUEST_MODES_ENV, False, environ),

@@ -90,6 +90,7 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
             self.controller.on_catch_up,
             compare=compare,
             flush_tokens=self.settings.flush_tokens,
+            eager_draft_tokens=self.settings.eager_draft_tokens,
         )
         if self.catch_up.replays is not None:
             self.controller.set_replay_source(self.catch_up.replays.read_back)
@@ -104,7 +105,7 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
         if self.catch_up.enabled and self._first_rank:
             logger.info(
                 "[sglang-dynspec] draft catch-up buffer: %d positions x %d requests, %.0f MiB (allocated "
-                "after the KV pool; %s); buffer-full flushes %s, %s",
+                "after the KV pool; %s); buffer-full flushes %s, %s; %s",
                 self.settings.catch_up_tokens,
                 compat.request_pool_size(self),
                 self.catch_up.nbytes / 2**20,
@@ -115,6 +116,10 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
                 FLUSH_WITHOUT_LAST_MLP
                 if compat.draft_last_layer(self) is not None
                 else "with the whole draft forward (a draft model other than LlamaForCausalLMEagle3)",
+                f"flushes and prefills of {self.settings.eager_draft_tokens} tokens or more skip the "
+                f"draft's prefill graph ({config.EAGER_DRAFT_TOKENS_ENV})"
+                if self.settings.eager_draft_tokens
+                else f"the draft's prefill graph wherever SGLang uses it ({config.EAGER_DRAFT_TOKENS_ENV}=0)",
             )
         if self._first_rank:
             warning = config.unreachable_bound_warning(self.settings, compat.max_running_requests(self))
@@ -167,7 +172,7 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
             self.controller.on_other_step()
             if not compat.is_idle_step(batch):
                 self.catch_up.before_extend_step(batch)
-            with compat.draft_mlp_at_last_rows(self, batch):
+            with compat.draft_mlp_at_last_rows(self, batch, self.settings.eager_draft_tokens):
                 return super().forward_batch_generation(
                     batch, **compat.spec_forward_kwargs(on_publish, grammar_barrier, pp_proxy_tensors)
                 )

@@ -695,3 +695,73 @@ def test_the_last_rows_of_a_prefill_are_each_requests_last_token(lens):
 
 def test_an_idle_batch_has_no_last_rows():
     assert compat.extend_last_rows(types.SimpleNamespace(extend_lens=[], input_ids=None)) is None
+
+
+# ------------------------------------- the draft's prefill graph left out (compat)
+class GraphSeen:
+    """A draft runner whose forward records whether its prefill graph was in place."""
+
+    def __init__(self, graph):
+        self.prefill_cuda_graph_runner = graph
+        self.seen = []
+
+    def forward(self):
+        self.seen.append(self.prefill_cuda_graph_runner)
+
+
+def _worker_with(runner):
+    return types.SimpleNamespace(draft_worker=types.SimpleNamespace(draft_runner=runner))
+
+
+@given(num_tokens=st.integers(0, 5000), eager_from=st.sampled_from([0, 1, 1024, 4096]))
+def test_a_forward_skips_the_drafts_prefill_graph_exactly_from_the_threshold(num_tokens, eager_from):
+    graph = object()
+    runner = GraphSeen(graph)
+    with compat.draft_graph_off_from(_worker_with(runner), num_tokens, eager_from):
+        runner.forward()
+    eager = eager_from > 0 and num_tokens >= eager_from
+    assert runner.seen == [None if eager else graph]
+    assert runner.prefill_cuda_graph_runner is graph  # put back
+
+
+def test_the_drafts_prefill_graph_is_put_back_when_the_forward_fails():
+    graph = object()
+    runner = GraphSeen(graph)
+    with pytest.raises(RuntimeError), compat.draft_graph_off_from(_worker_with(runner), 8192, 1024):
+        assert runner.prefill_cuda_graph_runner is None
+        raise RuntimeError("draft forward failed")
+    assert runner.prefill_cuda_graph_runner is graph
+    runner = GraphSeen(None)  # no graph (the CPU test bed, --disable-cuda-graph): nothing changes
+    with compat.draft_graph_off_from(_worker_with(runner), 8192, 1024):
+        runner.forward()
+    assert runner.seen == [None]
+
+
+def test_a_prefill_leaves_the_drafts_graph_only_with_its_last_mlp_cut():
+    """The prefill's draft pass skips the graph from the threshold when the cut applies
+    (a LlamaForCausalLMEagle3 draft), and never for a draft of another class, whose
+    pass would gain nothing from leaving the graph."""
+    graph = object()
+    runner = GraphSeen(graph)
+    runner.model = object()  # not a LlamaForCausalLMEagle3: no last layer to cut
+    batch = types.SimpleNamespace(
+        forward_mode=compat.ForwardMode.EXTEND,
+        extend_lens=[2048],
+        input_ids=torch.zeros(2048, dtype=torch.int64),
+    )
+    with compat.draft_mlp_at_last_rows(_worker_with(runner), batch, eager_from=1024):
+        runner.forward()
+    assert runner.seen == [graph]
+
+    eagle3 = compat.LlamaForCausalLMEagle3.__new__(compat.LlamaForCausalLMEagle3)
+    torch.nn.Module.__init__(eagle3)
+    layer = types.SimpleNamespace(mlp=CountingMlp())
+    eagle3.model = types.SimpleNamespace(layers=[layer])
+    runner.model = eagle3
+    for tokens, expected in ((2048, None), (1023, graph)):
+        runner.seen.clear()
+        batch.extend_lens, batch.input_ids = [tokens], torch.zeros(tokens, dtype=torch.int64)
+        with compat.draft_mlp_at_last_rows(_worker_with(runner), batch, eager_from=1024):
+            assert isinstance(layer.mlp, compat.MlpAtRows)
+            runner.forward()
+        assert runner.seen == [expected] and runner.prefill_cuda_graph_runner is graph, tokens

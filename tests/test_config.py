@@ -91,6 +91,18 @@ def test_bad_flush_budget_names_the_variable(raw):
         config.settings_from_environ({config.FLUSH_TOKENS_ENV: raw})
 
 
+@pytest.mark.parametrize("raw, expected", [(None, 1024), ("", 1024), ("0", 0), ("1", 1), ("8192", 8192)])
+def test_the_drafts_prefill_graph_is_left_from_1024_tokens_by_default(raw, expected):
+    environ = {} if raw is None else {config.EAGER_DRAFT_TOKENS_ENV: raw}
+    assert config.settings_from_environ(environ).eager_draft_tokens == expected
+
+
+@pytest.mark.parametrize("raw", ["-1", "x", "1.5", "1e3"])
+def test_a_bad_eager_threshold_names_the_variable(raw):
+    with pytest.raises(ConfigError, match=f"{config.EAGER_DRAFT_TOKENS_ENV} must be a non-negative integer"):
+        config.settings_from_environ({config.EAGER_DRAFT_TOKENS_ENV: raw})
+
+
 @pytest.mark.parametrize("n, m", [(8, 8), (8, 9), (8, 0)])
 def test_enable_threshold_must_be_between_1_and_disable(n, m):
     with pytest.raises(ConfigError) as e:
@@ -278,6 +290,7 @@ def test_the_default_policy_is_goodput_and_threshold_stays_an_option():
 # ------------------------------------------------------------------ bad input, any input
 ENV_NAMES = [flag.env for flag in config.FLAGS] + [
     config.FLUSH_TOKENS_ENV,
+    config.EAGER_DRAFT_TOKENS_ENV,
     config.PLAIN_CUDA_GRAPH_ENV,
     config.REQUEST_MODES_ENV,
     config.SIMULATED_ACCEPTANCE_ENV,
@@ -310,13 +323,19 @@ def test_every_setting_either_reads_as_documented_or_names_its_flag(values):
         )
         return
     assert s.policy in config.POLICIES and s.penalties in config.PENALTY_MODES
-    for number in (s.catch_up_tokens, s.flush_tokens, s.thresholds.min_dwell_steps):
+    for number in (s.catch_up_tokens, s.flush_tokens, s.eager_draft_tokens, s.thresholds.min_dwell_steps):
         assert isinstance(number, int) and number >= 0
     assert 0 <= s.catch_up_tokens <= config.MAX_CATCH_UP_TOKENS
     assert s.simulated_acceptance is None or s.simulated_acceptance >= 1  # never NaN
     for name, raw in values.items():  # integers only as plain decimal digits
         if (
-            name in (config.CATCH_UP_TOKENS.env, config.FLUSH_TOKENS_ENV, config.MIN_DWELL.env)
+            name
+            in (
+                config.CATCH_UP_TOKENS.env,
+                config.FLUSH_TOKENS_ENV,
+                config.EAGER_DRAFT_TOKENS_ENV,
+                config.MIN_DWELL.env,
+            )
             and raw.strip()
         ):
             assert raw.strip().isascii() and raw.strip().isdigit(), (name, raw)

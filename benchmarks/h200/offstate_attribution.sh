@@ -22,7 +22,8 @@
 # (SGLANG_DYNSPEC_FLUSH_TOKENS, default 2048 here). WAVES: requests per point = WAVES x C
 # (default 2); PROFILE_CONFIGS="" skips the profiles; SWEEP_CONFIGS (default: all) the servers that
 # run the sweep and the prefill-only point; dynamic-plain is EAGLE3_DYNAMIC held plain (threshold 1),
-# for a profile of the off state: PROFILE_CONFIGS="baseline dynamic-plain".
+# for a profile of the off state: PROFILE_CONFIGS="baseline dynamic-plain"; dynamic-graph is
+# EAGLE3_DYNAMIC with SGLANG_DYNSPEC_EAGER_DRAFT_TOKENS=0 (flushes in the draft's prefill graph).
 # Usage (on the device, repo root): SHAPE=8b PLUGIN_COMMIT=<sha> bash benchmarks/h200/offstate_attribution.sh
 #   e.g. the flush A/B: CONFIGS="baseline dynamic dynamic-pieces" WAVES=4 REPEATS=3 PROFILE_CONFIGS="" ...
 set -u
@@ -55,6 +56,9 @@ server_args() {
     # dynamic-plain: plain above 1 running request whatever the step costs say. For a profile
     # of the off state: under the profiler the measured plain steps slow down and the default
     # policy resumed speculation at C=64 (2026-12-03, plugin d594c0d: no plain-mode trace).
+    # dynamic-graph: flushes and prefills in SGLang's draft prefill graph, as before 2026-12-03
+    # night (SGLANG_DYNSPEC_EAGER_DRAFT_TOKENS=0): the A/B of leaving that graph.
+    dynamic-graph) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
     dynamic-plain) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics \
       --speculative-dynamic-policy threshold --speculative-disable-batch-threshold 1 ;;
   esac
@@ -66,6 +70,11 @@ for cfg in $CONFIG_LIST; do
     export SGLANG_DYNSPEC_FLUSH_TOKENS=${FLUSH_TOKENS:-2048}
   else
     unset SGLANG_DYNSPEC_FLUSH_TOKENS
+  fi
+  if [ "$cfg" = dynamic-graph ]; then
+    export SGLANG_DYNSPEC_EAGER_DRAFT_TOKENS=0
+  else
+    unset SGLANG_DYNSPEC_EAGER_DRAFT_TOKENS
   fi
   # shellcheck disable=SC2046
   start_server "$cfg" $(server_args "$cfg") --log-level info || continue
