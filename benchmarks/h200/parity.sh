@@ -12,6 +12,8 @@
 # benchmarks/h200/parity.py sends the requests and compares; its JSON lines are the result.
 # Usage (device, repo root, after installing .whl/setuptools into /tmp/site):
 #   bash benchmarks/h200/parity.sh
+#   SCHEDULERS=overlap bash benchmarks/h200/parity.sh   # one dynamic server (both ran past 570 s
+#                                                         # on 2026-12-03): sync in the next call
 set -u
 source .gpu/device-env.sh || exit 1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site ./testbed \
@@ -45,7 +47,7 @@ python3 $P compare "$OUT/baseline.json" "$OUT/baseline-updated.json" --label "ba
   && echo '{"error": "the weight update changed no output"}'
 
 status=0
-for sched in overlap sync; do
+for sched in ${SCHEDULERS:-overlap sync}; do
   extra=(); [ "$sched" = sync ] && extra=(--disable-overlap-schedule)
   SGLANG_DYNSPEC_REQUEST_MODES=1 start_server "dynamic-$sched" "${TINY[@]}" "${DYNAMIC[@]}" "${extra[@]}" || exit 1
   python3 $P run "$URL" "$OUT/dynamic-$sched.json"

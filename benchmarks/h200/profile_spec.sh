@@ -36,7 +36,11 @@ server_args() {
     baseline) echo --enable-metrics ;;
     eagle3) echo --speculative-algorithm EAGLE3 "${SPEC[@]}" --enable-metrics ;;
     dynamic) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
-    *) echo "unknown config $1 (baseline, eagle3, dynamic)" >&2; return 1 ;;
+    # Issue 20 §2, the attention backend: flashinfer for both servers (lib.sh's triton is
+    # overridden: the last --attention-backend wins).
+    baseline-fi) echo --enable-metrics --attention-backend flashinfer ;;
+    eagle3-fi) echo --speculative-algorithm EAGLE3 "${SPEC[@]}" --enable-metrics --attention-backend flashinfer ;;
+    *) echo "unknown config $1 (baseline, eagle3, dynamic, baseline-fi, eagle3-fi)" >&2; return 1 ;;
   esac
 }
 
