@@ -859,6 +859,22 @@ def draft_graph_off_from(spec_worker, num_tokens: int, eager_from: int) -> Itera
         runner.prefill_cuda_graph_runner = graph
 
 
+@contextlib.contextmanager
+def draft_last_mlp_only_at(
+    spec_worker, rows: torch.Tensor | None, num_tokens: int, eager_from: int
+) -> Iterator[None]:
+    """Within the block the draft's last MLP runs only at ``rows`` (:func:`last_mlp_only_at`),
+    and a forward of ``num_tokens`` runs outside the draft's prefill graph from ``eager_from``
+    tokens (:func:`draft_graph_off_from`), where that cut takes effect. A draft model of
+    another class: nothing changes (no cut, so no reason to leave the graph)."""
+    layer = draft_last_layer(spec_worker)
+    if layer is None:
+        yield
+        return
+    with draft_graph_off_from(spec_worker, num_tokens, eager_from), last_mlp_only_at(layer, rows):
+        yield
+
+
 def extend_last_rows(batch: ScheduleBatch) -> torch.Tensor | None:
     """``[bs]`` the index of each request's last token in a prefill or mixed batch's
     flat token layout (the layout of SGLang's draft pass after the target's prefill),
@@ -881,12 +897,10 @@ def draft_mlp_at_last_rows(spec_worker, batch: ScheduleBatch, eager_from: int = 
     tokens (0: never) that pass runs outside the draft's prefill graph, where the cut
     takes effect (:func:`draft_graph_off_from`). An idle step: nothing changes."""
     rows = None if is_idle_step(batch) else extend_last_rows(batch)
-    layer = draft_last_layer(spec_worker) if rows is not None else None
-    num_tokens = len(batch.input_ids) if layer is not None else 0
-    with (
-        draft_graph_off_from(spec_worker, num_tokens, eager_from if layer is not None else 0),
-        last_mlp_only_at(layer, rows),
-    ):
+    if rows is None:
+        yield
+        return
+    with draft_last_mlp_only_at(spec_worker, rows, len(batch.input_ids), eager_from):
         yield
 
 
@@ -930,11 +944,9 @@ def fill_draft_kv(
     extend_batch.spec_info = EagleDraftExtendInput(
         hidden_states=target_hidden, num_tokens_per_req=1, num_tokens_for_logprob_per_req=1
     )
-    layer = draft_last_layer(spec_worker)
     with (
         draft_extend_contexts(spec_worker),
-        draft_graph_off_from(spec_worker, len(rotated), eager_from if layer is not None else 0),
-        last_mlp_only_at(layer, compared_rows),
+        draft_last_mlp_only_at(spec_worker, compared_rows, len(rotated), eager_from),
     ):
         forward_batch = ForwardBatch.init_new(
             extend_batch,

@@ -52,3 +52,12 @@ on_exit() {
   trap "$1" EXIT
   trap 'exit 124' TERM
 }
+
+# pack_server_logs [PATH...]: stops the server, packs $OUT/logs and the servers' logs into
+# $OUT/logs.tar.xz, and removes PATHs (profiler traces: too large to bring back). For on_exit.
+pack_server_logs() {
+  stop_server
+  mv "$OUT"/server_*.log "$OUT/logs/" 2> /dev/null
+  [ -d "$OUT/logs" ] && tar -C "$OUT" -cJf "$OUT/logs.tar.xz" logs && rm -rf "$OUT/logs"
+  [ $# -eq 0 ] || rm -rf "$@"
+}

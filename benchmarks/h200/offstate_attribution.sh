@@ -38,12 +38,7 @@ BENCH=(--url "$URL" --prompt-len 256 --output-len 256 --no-progress --tag hw=H20
 PROF_ROOT=$(cd "$OUT" && pwd)/prof
 mkdir -p "$OUT/logs" "$PROF_ROOT"
 # The logs go back as one archive, packed on any exit (lib.sh on_exit).
-pack_logs() {
-  stop_server
-  mv "$OUT"/server_*.log "$OUT/logs/" 2> /dev/null
-  [ -d "$OUT/logs" ] && tar -C "$OUT" -cJf "$OUT/logs.tar.xz" logs && rm -rf "$OUT/logs"
-  rm -rf "$PROF_ROOT"
-}
+pack_logs() { pack_server_logs "$PROF_ROOT"; }
 on_exit pack_logs
 
 server_args() {

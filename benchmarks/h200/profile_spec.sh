@@ -23,12 +23,7 @@ export SGLANG_SIMULATE_ACC_LEN=${ACC:-3.0}
 SPEC=("${EAGLE_ARGS[@]}" --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)
 PROF_ROOT=$(cd "$OUT" && pwd)/prof
 mkdir -p "$OUT/logs" "$PROF_ROOT"
-pack_logs() {
-  stop_server
-  mv "$OUT"/server_*.log "$OUT/logs/" 2> /dev/null
-  [ -d "$OUT/logs" ] && tar -C "$OUT" -cJf "$OUT/logs.tar.xz" logs && rm -rf "$OUT/logs"
-  rm -rf "$PROF_ROOT"
-}
+pack_logs() { pack_server_logs "$PROF_ROOT"; }
 on_exit pack_logs
 
 server_args() {
