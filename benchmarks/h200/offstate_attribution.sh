@@ -21,7 +21,7 @@
 # EAGLE3_DYNAMIC with its buffer-full flushes in pieces of FLUSH_TOKENS positions
 # (SGLANG_DYNSPEC_FLUSH_TOKENS, default 2048 here). WAVES: requests per point = WAVES x C
 # (default 2); PROFILE_CONFIGS="" skips the profiles; SWEEP_CONFIGS (default: all) the servers that
-# run the sweep and the prefill-only point; dynamic-plain is EAGLE3_DYNAMIC held plain (threshold 1),
+# run the sweep and the prefill-only point; dynamic-plain is EAGLE3_DYNAMIC held plain above 2 requests,
 # for a profile of the off state: PROFILE_CONFIGS="baseline dynamic-plain"; dynamic-graph is
 # EAGLE3_DYNAMIC with SGLANG_DYNSPEC_EAGER_DRAFT_TOKENS=0 (flushes in the draft's prefill graph).
 # Usage (on the device, repo root): SHAPE=8b PLUGIN_COMMIT=<sha> bash benchmarks/h200/offstate_attribution.sh
@@ -48,14 +48,15 @@ server_args() {
     # dynamic-tN: the catch-up buffer at N positions per request (0: catch-up off).
     dynamic-t[0-9]*) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics --speculative-catch-up-tokens "${1#dynamic-t}" ;;
     dynamic-pieces) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
-    # dynamic-plain: plain above 1 running request whatever the step costs say. For a profile
+    # dynamic-plain: plain above 2 running requests whatever the step costs say. For a profile
     # of the off state: under the profiler the measured plain steps slow down and the default
     # policy resumed speculation at C=64 (2026-12-03, plugin d594c0d: no plain-mode trace).
     # dynamic-graph: flushes and prefills in SGLang's draft prefill graph, as before 2026-12-03
     # night (SGLANG_DYNSPEC_EAGER_DRAFT_TOKENS=0): the A/B of leaving that graph.
     dynamic-graph) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
     dynamic-plain) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics \
-      --speculative-dynamic-policy threshold --speculative-disable-batch-threshold 1 ;;
+      --speculative-dynamic-policy threshold --speculative-disable-batch-threshold 2 \
+      --speculative-enable-batch-threshold 1 ;;
   esac
 }
 
@@ -89,7 +90,10 @@ for cfg in $CONFIG_LIST; do
     echo
     wait $LOAD ;;
   esac
-  [ "${cfg#dynamic}" != "$cfg" ] && curl -s "$URL/metrics" | grep "^sglang:spec_dynamic" | grep -v _bucket > "$OUT/logs/metrics_$cfg.txt"
+  # The catch-up's histogram keeps its buckets: a flush's time is otherwise only a sum over the
+  # run, first flushes after start-up included (2026-12-04).
+  [ "${cfg#dynamic}" != "$cfg" ] && curl -s "$URL/metrics" | grep "^sglang:spec_dynamic" \
+    | awk '!/_bucket/ || /^sglang:spec_dynamic_catch_up_seconds_bucket/' > "$OUT/logs/metrics_$cfg.txt"
   stop_server
   mv "$OUT/server_$cfg.log" "$OUT/logs/" 2>/dev/null
 done
