@@ -59,7 +59,7 @@ import torch
 
 from sglang_dynspec import compat
 from sglang_dynspec.compat import ForwardMode, ScheduleBatch
-from sglang_dynspec.device_timer import DeviceTimer, HostCopy, to_device
+from sglang_dynspec.device_timer import DeviceTimer, HostCopy, SideStream, to_device
 from sglang_dynspec.metric_names import CatchUpReason
 
 # Reports a queued catch-up: (reason, requests, tokens, timer) -> None
@@ -137,9 +137,8 @@ class GapIndex:
 class PlainGapLog:
     """Per request slot: the aux hidden states and tokens of positions decoded plain.
 
-    Host counters (``gap``) drive every decision, so no step needs a device sync; a
-    device cursor (``_fill``) mirrors them and picks the column each plain step writes.
-    Both advance by exactly one per plain step of a request. A gap's first position
+    Host counters (``gap``) drive every decision, so no step needs a device sync, and
+    pick the column each plain step writes (a request's gap is its log's fill). A gap's first position
     (the committed length when it started, ``start_gaps``) is copied to the host
     behind the step that decodes it; every plain step commits exactly one position,
     so the committed length at a catch-up is that start plus the gap, known on the
@@ -157,20 +156,19 @@ class PlainGapLog:
         self.device = device
         self.hidden = torch.zeros(pool_size, capacity, hidden_width, dtype=hidden_dtype, device=device)
         self.tokens = torch.zeros(pool_size, capacity, dtype=torch.int64, device=device)
-        self._fill = torch.zeros(pool_size, dtype=torch.int64, device=device)
         self.gap = [0] * pool_size
         # Per slot with a gap: (copy, index) of its gap's first position.
         self._start: list[tuple[HostCopy, int] | None] = [None] * pool_size
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.hidden, self.tokens, self._fill))
+        return sum(t.numel() * t.element_size() for t in (self.hidden, self.tokens))
 
     @staticmethod
     def bytes_needed(pool_size: int, capacity: int, hidden_width: int, hidden_dtype: torch.dtype) -> int:
-        """Device memory of a log: per slot, ``capacity`` aux rows and tokens, and a cursor."""
+        """Device memory of a log: per slot, ``capacity`` aux rows and tokens."""
         per_position = hidden_width * torch.empty((), dtype=hidden_dtype).element_size() + 8
-        return pool_size * (capacity * per_position + 8)
+        return pool_size * capacity * per_position
 
     def is_full(self, pool_indices: Sequence[int]) -> bool:
         """True if recording one more plain step would overflow some request's buffer."""
@@ -216,52 +214,35 @@ class PlainGapLog:
         for j, k in enumerate(new):
             self._start[pool_indices[k]] = (copy, j)
 
-    def record(
-        self,
-        pool_indices: Sequence[int],
-        pool_indices_device: torch.Tensor,
-        tokens: torch.Tensor,
-        hidden: torch.Tensor,
-    ) -> None:
+    def record(self, pool_indices: Sequence[int], tokens: torch.Tensor, hidden: torch.Tensor) -> None:
         """Log one plain step: ``tokens[i]`` was the input and ``hidden[i]`` the aux state
         at the position request ``i`` just decoded. Call ``is_full`` (and flush) first."""
         if self.is_full(pool_indices):
             full = [i for i in pool_indices if self.gap[i] >= self.capacity]
             raise RuntimeError(f"request slots {full}: plain-step log full ({self.capacity} positions)")
-        gap, start = self.gap, self._start
+        gap, start, capacity = self.gap, self._start, self.capacity
+        at = []
         for i in pool_indices:
             if start[i] is None:
                 raise RuntimeError(f"request slot {i}: plain step recorded without start_gaps")
+            at.append(i * capacity + gap[i])
             gap[i] += 1
-        idx = pool_indices_device.long()
-        col = self._fill[idx]
-        # Flat row index_copy_ rather than ``hidden[idx, col] = ...``: one kernel either
-        # way on a GPU (the rows are distinct: one per request), and on the CPU test bed
+        # Flat rows from the host's counters, copied once through pinned memory: the
+        # step adds one copy and two index_copy_ kernels, where a device cursor cost
+        # five small kernels more per plain step (the plain step's GPU time beside a
+        # baseline step's: benchmarks/results/h200-20261204-673c6bf/README.md, section 3).
+        # index_copy_ rather than ``hidden[idx, col] = ...``: on the CPU test bed
         # 0.02 ms instead of 8 ms per step at 64 requests (two-tensor index_put).
-        at = idx * self.capacity + col
+        at = to_device(at, torch.int64, self.device)
         self.hidden.view(-1, self.hidden.shape[-1]).index_copy_(0, at, hidden.to(self.hidden.dtype))
         self.tokens.view(-1).index_copy_(0, at, tokens.to(torch.int64))
-        self._fill.index_copy_(0, idx, col + 1)
 
-    def forget(self, pool_indices: Sequence[int], pool_indices_device: torch.Tensor | None = None) -> None:
-        """Empty the logs of these slots (caught up, or freshly prefilled).
-
-        ``pool_indices_device``: the same indices already on the device (a batch's
-        ``req_pool_indices``), which saves a host-to-device copy; prefill steps pass
-        it, so they never wait on the device here.
-        """
-        if pool_indices_device is None:
-            pool_indices = [i for i in pool_indices if self.gap[i]]
-            if not pool_indices:
-                return
-            pool_indices_device = to_device(pool_indices, torch.int64, self.device)
+    def forget(self, pool_indices: Sequence[int]) -> None:
+        """Empty the logs of these slots (caught up, or freshly prefilled). Host
+        counters only: the next plain step of a slot writes from column 0."""
         for i in pool_indices:
             self.gap[i] = 0
             self._start[i] = None
-        # index_fill_, not ``_fill[idx] = 0``: assigning a Python scalar through an
-        # index copies it from pageable host memory, a device sync at every prefill
-        # and catch-up (found on the H200 by benchmarks/h200/sync_check.sh).
-        self._fill.index_fill_(0, pool_indices_device.long(), 0)
 
     def committed_len(self, slot: int) -> int:
         """The committed length of a slot with a gap: its gap's start plus the gap."""
@@ -426,13 +407,17 @@ class ReplayTally:
     positions are counted on the host (known from the gap lengths). ``read_back`` closes
     the current window: it copies the device sum into pinned memory behind the queued
     work (``HostCopy``) and returns the windows closed earlier whose copies have run,
-    so the host never waits for the device.
+    so the host never waits for the device. ``busy``: whether a side stream's flush may
+    still be adding to the sum (``SideStream.busy``).
     """
 
-    def __init__(self, device):
+    def __init__(self, device, busy: Callable[[], bool] | None = None):
         self._matches = torch.zeros(1, dtype=torch.int64, device=device)
         self._positions = 0
         self._closed: deque[tuple[HostCopy, int, int]] = deque()  # (copy, positions, stamp)
+        # True while a flush queued on a side stream may still add to the sum: the window
+        # then stays open until the next read_back (closing it would copy a partial sum).
+        self._busy = busy or (lambda: False)
 
     def add(self, agree: torch.Tensor, positions: int) -> None:
         """``agree`` ``[n]`` (bool, device): which compared positions matched;
@@ -448,7 +433,7 @@ class ReplayTally:
         while self._closed and self._closed[0][0].ready():
             copy, positions, closed_at = self._closed.popleft()
             done.append((copy.read()[0], positions, closed_at))
-        if self._positions:
+        if self._positions and not self._busy():
             self._closed.append((HostCopy(self._matches), self._positions, stamp))
             self._matches.zero_()  # queued after the copy: the copy reads the sum
             self._positions = 0
@@ -534,7 +519,11 @@ class DraftCatchUp:
     ``report``, which gets each catch-up with a device timer. With ``passes.top1`` each
     catch-up also compares the draft's proposals with the target's tokens (``replays``).
     ``flush_tokens``: positions one buffer-full flush replays at most
-    (``PlainGapLog.due_for_flush``; 0: every gap of the batch at once).
+    (``PlainGapLog.due_for_flush``; 0: every gap of the batch at once). ``side``: a
+    stream for buffer-full flushes (``SGLANG_DYNSPEC_FLUSH_STREAM``), so that the plain
+    steps after one run beside it instead of behind it; every other draft forward (a
+    resume, a mixed catch-up, the pass after a prefill, a speculative step) waits for it
+    first, on the device (``SideStream.join``). None: flushes run in order.
     """
 
     enabled = True
@@ -548,13 +537,16 @@ class DraftCatchUp:
         passes: DraftPasses,
         report: CatchUpReport,
         flush_tokens: int = 0,
+        side: SideStream | None = None,
     ):
         self.req_to_token = req_to_token
         self.flush_tokens = flush_tokens
         self.device = req_to_token.device
         self.passes = passes
         self.report = report
-        self.replays = ReplayTally(self.device) if passes.top1 is not None else None
+        self.side = side
+        busy = side.busy if side is not None else None
+        self.replays = ReplayTally(self.device, busy) if passes.top1 is not None else None
         self.log = PlainGapLog(
             pool_size=int(req_to_token.shape[0]),
             capacity=capacity,
@@ -562,9 +554,8 @@ class DraftCatchUp:
             hidden_dtype=hidden_dtype,
             device=self.device,
         )
-        # The plain step between before_plain_step and after_plain_step: its request
-        # slots, on the host and on the device.
-        self._step: tuple[list[int], torch.Tensor] | None = None
+        # The plain step between before_plain_step and after_plain_step: its request slots.
+        self._step: list[int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -580,23 +571,24 @@ class DraftCatchUp:
             self._catch_up_decode_batch(batch, slots, CatchUpReason.BUFFER_FULL, only=set(due))
         # The pending token of each request sits at position seq_lens (fresh_batch).
         self.log.start_gaps(slots, batch.seq_lens)
-        self._step = (slots, batch.req_pool_indices)
+        self._step = slots
 
     def after_plain_step(self, input_ids: torch.Tensor, aux_hidden) -> None:
         """Log the positions the plain step just decoded: ``input_ids`` ``[bs]`` its input
         tokens, ``aux_hidden`` ``[bs, 3H]`` the target's auxiliary hidden states."""
         if self._step is None:
             raise RuntimeError("after_plain_step without before_plain_step")
-        (slots, slots_device), self._step = self._step, None
+        slots, self._step = self._step, None
         if aux_hidden is None:
             raise RuntimeError(
                 "the plain decode step returned no hidden states; the draft catch-up needs "
                 "the target's auxiliary hidden states (FULL capture)"
             )
-        self.log.record(slots, slots_device, input_ids, aux_hidden)
+        self.log.record(slots, input_ids, aux_hidden)
 
     def before_speculative_step(self, batch: ScheduleBatch) -> None:
         """Resume: replay the gaps and hand the speculative step fresh draft state."""
+        self._join()
         slots = compat.request_pool_indices(batch.reqs)
         if any(self.log.gap[i] for i in slots):
             self._catch_up_decode_batch(batch, slots, CatchUpReason.RESUME)
@@ -607,6 +599,7 @@ class DraftCatchUp:
         before them). The other requests are being prefilled: their slots' logs, left
         by an earlier owner of the slot or an earlier life of a retracted request, are
         dropped."""
+        self._join()  # SGLang's draft pass follows this step's target forward
         decoding = {id(req) for req in (getattr(batch, "decoding_reqs", None) or ())}
         rows = [r for r, req in enumerate(batch.reqs) if id(req) in decoding]
         slots = compat.request_pool_indices(batch.reqs)
@@ -621,7 +614,7 @@ class DraftCatchUp:
         # Every other log of the batch is dropped: a slot being prefilled, or a decoding
         # request whose gap could not be replayed here (no input ids); its tail is
         # drafted by this step, so later plain positions would not continue the gap.
-        self.log.forget(slots, batch.req_pool_indices)
+        self.log.forget(slots)
 
     def _catch_up_decode_batch(
         self, batch: ScheduleBatch, slots: list[int], reason: CatchUpReason, only: set[int] | None = None
@@ -644,25 +637,38 @@ class DraftCatchUp:
         per-request loop, no sampling, the draft's last MLP only at the compared
         rows). Either pass is also compared with the target's tokens when
         ``replays`` is on (module docstring)."""
-        timer = DeviceTimer.start(self.device)
+        flush = reason is CatchUpReason.BUFFER_FULL
+        side = self.side if flush else None
+        timer = None if side is not None else DeviceTimer.start(self.device)
+        # The log's rows are gathered on the current stream: the next plain step writes
+        # over them (``forget`` below) while a side stream's flush may still be running.
         index = GapIndex.of(gap_rows, self.device)
         hidden, tokens = self.log.gather(gap_rows, index)
         ext = build_catch_up_batch(batch, gap_rows, tokens, self.req_to_token, index)
         compared = self._compared_rows(gap_rows)
-        last_rows = index.last if reason is CatchUpReason.BUFFER_FULL or compared else None
-        with contextlib.ExitStack() as stack:
-            seen = stack.enter_context(self.passes.top1.capture(compared[0])) if compared else None
-            if reason is CatchUpReason.BUFFER_FULL:
-                self.passes.fill_kv(ext, hidden, tails, last_rows, compared[0] if compared else None)
-                fresh = None
-            else:
-                fresh = self.passes.extend(ext, hidden, tails)
-        if seen:
-            self._compare(tokens, tails, last_rows, compared, seen[-1])
+        last_rows = index.last if flush or compared else None
+        queued = side.queue(ext, index, hidden, tokens, tails, compared) if side else contextlib.nullcontext()
+        # Named in a profiler's trace (GPU annotation), so a profile shows each catch-up's span
+        # and kernels (benchmarks/profiles/summarize_trace.py); nearly free without one.
+        with queued, torch.profiler.record_function(f"dynspec_catch_up[{reason.value}]"):
+            timer = timer or DeviceTimer.start(self.device)
+            with contextlib.ExitStack() as stack:
+                seen = stack.enter_context(self.passes.top1.capture(compared[0])) if compared else None
+                if flush:
+                    self.passes.fill_kv(ext, hidden, tails, last_rows, compared[0] if compared else None)
+                    fresh = None
+                else:
+                    fresh = self.passes.extend(ext, hidden, tails)
+            if seen:
+                self._compare(tokens, tails, last_rows, compared, seen[-1])
+            timer.stop()
         self.log.forget(gap_rows.pool_indices)
-        timer.stop()
         self.report(reason, len(gap_rows), gap_rows.num_tokens, timer)
         return fresh
+
+    def _join(self) -> None:
+        if self.side is not None:
+            self.side.join()
 
     def _compared_rows(self, gap_rows: GapRows) -> tuple[torch.Tensor, int] | None:
         """``(rows, positions)``: the replayed rows whose proposal is compared
@@ -697,24 +703,29 @@ def new_catch_up(
     compare: bool = False,
     flush_tokens: int = 0,
     eager_draft_tokens: int = 0,
+    flush_stream: bool = False,
 ) -> CatchUp:
     """The catch-up of ``spec_worker`` with ``capacity`` positions per request (0: none);
     ``compare``: tally the draft's proposals against the target's tokens (``replays``;
     left off for a draft model whose logits head ``compat.draft_top1`` cannot read);
     ``flush_tokens``: positions one buffer-full flush replays at most (0: no limit);
     ``eager_draft_tokens``: flushes of at least this many positions run outside SGLang's
-    draft prefill graph (``compat.draft_graph_off_from``; 0: never)."""
+    draft prefill graph (``compat.draft_graph_off_from``; 0: never); ``flush_stream``:
+    buffer-full flushes on a side stream (``DraftCatchUp``), every one of them eager (a
+    graph captured on the scheduler's stream is not replayed on another)."""
     if not capacity:
         return NoCatchUp()
+    device = compat.request_to_token_table(spec_worker).device
     return DraftCatchUp(
         req_to_token=compat.request_to_token_table(spec_worker),
         capacity=capacity,
         hidden_width=compat.target_hidden_width(spec_worker),
         hidden_dtype=compat.target_hidden_dtype(spec_worker),
         passes=DraftPasses(
-            *compat.draft_passes(spec_worker, eager_draft_tokens),
+            *compat.draft_passes(spec_worker, 1 if flush_stream else eager_draft_tokens),
             compat.draft_top1(spec_worker) if compare else None,
         ),
         report=report,
         flush_tokens=flush_tokens,
+        side=SideStream(device) if flush_stream else None,
     )

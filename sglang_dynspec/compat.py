@@ -729,13 +729,15 @@ def run_target_decode(target_worker, batch: ScheduleBatch, draft_input, capture_
 def spec_shaped_result(out: GenerationBatchResult, plain_batch: ScheduleBatch, draft_input):
     """Shape a plain forward's result as the v2 scheduler expects a spec result.
 
-    One token per request: ``accept_lens`` of ones (a tensor: the scheduler copies it
-    to the host and asserts it is there), row stride 1, ``new_seq_lens`` = committed
-    length + 1, and logprobs in the spec layout ``[bs, max_accept] = [bs, 1]``.
+    One token per request: ``accept_lens`` of ones, row stride 1, ``new_seq_lens`` =
+    committed length + 1, and logprobs in the spec layout ``[bs, max_accept] = [bs, 1]``.
+    ``accept_lens`` is made on the host: the scheduler only reads it there (both
+    versions' ``copy_to_cpu`` pass a host tensor through and the result processor
+    asserts it is on the host), so a plain step needs no fill kernel and no copy back.
     """
     next_tokens = out.next_token_ids  # [bs]
     bs = next_tokens.shape[0]
-    out.accept_lens = torch.ones(bs, dtype=torch.int32, device=next_tokens.device)
+    out.accept_lens = torch.ones(bs, dtype=torch.int32)
     out.new_seq_lens = plain_batch.seq_lens  # [bs], a new tensor (see fresh_batch)
     out.speculative_num_draft_tokens = 1
     if hasattr(out, "speculative_output_stride"):  # not on every version

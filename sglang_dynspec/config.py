@@ -195,6 +195,13 @@ FLUSH_TOKENS_ENV = "SGLANG_DYNSPEC_FLUSH_TOKENS"
 # applies).
 EAGER_DRAFT_TOKENS_ENV = "SGLANG_DYNSPEC_EAGER_DRAFT_TOKENS"
 DEFAULT_EAGER_DRAFT_TOKENS = 1024
+# 1: buffer-full flushes run on a second CUDA stream, so that the plain steps after one
+# run beside it instead of waiting for it (catch_up.DraftCatchUp, device_timer.SideStream).
+# The flush was the plain mode's p99 ITL excess on the 8B shape (1.0-1.3x the baseline's
+# with eager flushes, 1.1-1.9x before; benchmarks/results/h200-20261204-673c6bf/). Off
+# until a device call has compared it; with --tp-size > 1 refused (the flush's
+# collectives would run beside the plain step's).
+FLUSH_STREAM_ENV = "SGLANG_DYNSPEC_FLUSH_STREAM"
 # Where the start-up step-cost tables are cached (cost_cache); "off" disables the cache.
 COST_CACHE_ENV = "SGLANG_DYNSPEC_COST_CACHE"
 
@@ -296,6 +303,8 @@ class Settings:
     flush_tokens: int = _set_by(FLUSH_TOKENS_ENV)
     # Tokens from which a draft forward that needs its last MLP at a few rows runs eagerly; 0: never
     eager_draft_tokens: int = _set_by(EAGER_DRAFT_TOKENS_ENV)
+    # True: buffer-full flushes on a side stream
+    flush_stream: bool = _set_by(FLUSH_STREAM_ENV)
     # False: plain steps run eagerly (saves the graph's memory)
     plain_cuda_graph: bool = _set_by(PLAIN_CUDA_GRAPH_ENV)
     # True: per-request step modes in meta_info (REQUEST_MODES_KEY)
@@ -414,6 +423,7 @@ def settings_from_environ(environ: Mapping[str, str] = os.environ) -> Settings:
         catch_up_tokens=catch_up_tokens_from_environ(environ),
         flush_tokens=flush_tokens_from_environ(environ),
         eager_draft_tokens=eager_draft_tokens_from_environ(environ),
+        flush_stream=env_bool(FLUSH_STREAM_ENV, False, environ),
         penalties=penalties_from_environ(environ),
         plain_cuda_graph=env_bool(PLAIN_CUDA_GRAPH_ENV, True, environ),
         request_modes=env_bool(REQUEST_MODES_ENV, False, environ),

@@ -5,13 +5,15 @@ a whole step); a ``synchronize`` or a blocking read on the hot path would drain 
 pipeline. So device work is bracketed by CUDA events, and its time is read by
 polling: :class:`DeferredReadings` calls each callback once its timer has completed.
 Host values go the other way through :func:`to_device`, which does not wait either.
+Work that the current stream need not wait for goes on a :class:`SideStream`.
 Plain torch; no SGLang.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -146,3 +148,53 @@ def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
     if torch.device(device).type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+class SideStream:
+    """Device work queued on a second stream, beside the current stream's, and the
+    points where the current stream must wait for it.
+
+    ``queue(*keep)`` runs its block's device work on the side stream, after the work
+    the current stream had queued (whose results the block reads); ``keep``: objects
+    whose tensors, made on the current stream, the block reads: they are held until the
+    side stream has run, so the caching allocator does not hand their memory to the
+    current stream's next work. ``join()`` makes the current stream wait, on the device,
+    for everything queued so far (the host never waits); ``busy()`` says, without
+    waiting, whether queued work has not run yet. Without a CUDA device the block runs
+    in order and only the bookkeeping remains.
+    """
+
+    def __init__(self, device):
+        cuda = torch.device(device).type == "cuda"
+        self._stream = torch.cuda.Stream(device=device) if cuda else None
+        self._done = None  # the event after the last queued block, until joined or run
+        self._kept: list = []
+        self.pending = False  # a block was queued and not joined yet
+
+    @contextlib.contextmanager
+    def queue(self, *keep) -> Iterator[None]:
+        self.pending = True
+        if self._stream is None:
+            yield
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+        with torch.cuda.stream(self._stream):
+            yield
+            self._done = torch.cuda.Event()
+            self._done.record(self._stream)
+        self._kept.append(keep)
+
+    def busy(self) -> bool:
+        """True while queued work has not run; never waits (it drops what it kept once run)."""
+        if self._done is not None and not self._done.query():
+            return True
+        self._kept.clear()
+        return False
+
+    def join(self) -> None:
+        """The current stream waits, on the device, for the work queued so far."""
+        if self._done is not None:
+            torch.cuda.current_stream(self._stream.device).wait_event(self._done)
+            self._done = None
+        self._kept.clear()  # the current stream's later work is ordered after it
+        self.pending = False

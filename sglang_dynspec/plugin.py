@@ -130,8 +130,8 @@ def validate_server_args(server_args) -> None:
             f"sglang-dynspec cannot run on the installed SGLang {compat.SGLANG_VERSION}: "
             f"it lacks {', '.join(missing)}. Supported: {refusals.SUPPORTED_SGLANG}."
         )
-    config.settings_from_environ()  # raises ConfigError naming the flag
-    reason = refusals.unsupported_reason(server_args)
+    settings = config.settings_from_environ()  # raises ConfigError naming the flag
+    reason = refusals.unsupported_reason(server_args) or refusals.settings_error(settings, server_args)
     if reason:
         raise config.ConfigError(reason)
     draft = getattr(server_args, "speculative_draft_model_path", None)

@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any
 
-from sglang_dynspec.config import ALGORITHM_NAME
+from sglang_dynspec.config import ALGORITHM_NAME, FLUSH_STREAM_ENV
 
 # The SGLang releases the plugin runs on: the distribution's dependency (setup.cfg),
 # the start-up messages and the README say this; tests/test_packaging.py checks
@@ -150,6 +150,17 @@ def unsupported_reason(server_args: Any) -> str | None:
                 f"{option} ({attr}={value!r}) is not supported with "
                 f"--speculative-algorithm {ALGORITHM_NAME} ({why})"
             )
+    return None
+
+
+def settings_error(settings: Any, server_args: Any) -> str | None:
+    """Why these plugin settings cannot run with this SGLang configuration, or None."""
+    tp_size = getattr(server_args, "tp_size", None) or 1
+    if settings.flush_stream and tp_size > 1:
+        return (
+            f"{FLUSH_STREAM_ENV}=1 is not supported with --tp-size {tp_size}: a flush on its own stream "
+            "would run its all-reduces beside the plain step's; unset it or use --tp-size 1"
+        )
     return None
 
 

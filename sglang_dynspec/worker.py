@@ -91,6 +91,7 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
             compare=compare,
             flush_tokens=self.settings.flush_tokens,
             eager_draft_tokens=self.settings.eager_draft_tokens,
+            flush_stream=self.settings.flush_stream,
         )
         if self.catch_up.replays is not None:
             self.controller.set_replay_source(self.catch_up.replays.read_back)
@@ -105,7 +106,7 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
         if self.catch_up.enabled and self._first_rank:
             logger.info(
                 "[sglang-dynspec] draft catch-up buffer: %d positions x %d requests, %.0f MiB (allocated "
-                "after the KV pool; %s); buffer-full flushes %s, %s; %s",
+                "after the KV pool; %s); buffer-full flushes %s, %s%s; %s",
                 self.settings.catch_up_tokens,
                 compat.request_pool_size(self),
                 self.catch_up.nbytes / 2**20,
@@ -116,6 +117,9 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
                 FLUSH_WITHOUT_LAST_MLP
                 if compat.draft_last_layer(self) is not None
                 else "with the whole draft forward (a draft model other than LlamaForCausalLMEagle3)",
+                f", on a side stream beside the plain steps ({config.FLUSH_STREAM_ENV})"
+                if self.settings.flush_stream
+                else "",
                 f"flushes and prefills of {self.settings.eager_draft_tokens} tokens or more skip the "
                 f"draft's prefill graph ({config.EAGER_DRAFT_TOKENS_ENV})"
                 if self.settings.eager_draft_tokens

@@ -99,7 +99,7 @@ class PlainGapLogMachine(RuleBasedStateMachine):
         self.counter += len(slots)
         # Each request decodes the position at its committed length (the worker passes seq_lens).
         self.log.start_gaps(slots, torch.tensor([self.committed[s] for s in slots]))
-        self.log.record(slots, torch.tensor(slots), tokens, hidden)
+        self.log.record(slots, tokens, hidden)
         for k, slot in enumerate(slots):
             self.model[slot].append((int(tokens[k]), hidden[k].clone()))
             self.committed[slot] += 1
@@ -125,14 +125,10 @@ class PlainGapLogMachine(RuleBasedStateMachine):
             assert torch.equal(hidden, torch.stack([h for _, h in expected]))
         self.flush(rows.pool_indices)
 
-    @rule(
-        slots=st.sets(st.integers(0, POOL - 1), min_size=1).map(sorted),
-        device_indices=st.booleans(),
-        prompt=st.integers(1, 50),
-    )
-    def prefill(self, slots, device_indices, prompt):
+    @rule(slots=st.sets(st.integers(0, POOL - 1), min_size=1).map(sorted), prompt=st.integers(1, 50))
+    def prefill(self, slots, prompt):
         # A prefill drops whatever an earlier owner of the slot left.
-        self.log.forget(slots, torch.tensor(slots) if device_indices else None)
+        self.log.forget(slots)
         for slot in slots:
             self.model[slot] = []
             self.committed[slot] = prompt
@@ -146,7 +142,6 @@ class PlainGapLogMachine(RuleBasedStateMachine):
     @invariant()
     def counters_match(self):
         assert self.log.gap == [len(self.model[s]) for s in range(POOL)]
-        assert self.log._fill.tolist() == self.log.gap  # device cursor mirrors the host
 
 
 TestPlainGapLog = PlainGapLogMachine.TestCase
@@ -161,13 +156,13 @@ def test_capacity_must_be_positive():
 def test_recording_needs_the_gap_start():
     log = PlainGapLog(3, 2, 1, torch.float32, "cpu")
     with pytest.raises(RuntimeError, match="start_gaps"):
-        log.record([1], torch.tensor([1]), torch.tensor([7]), torch.zeros(1, 1))
+        log.record([1], torch.tensor([7]), torch.zeros(1, 1))
 
 
 def test_given_lengths_override_the_logs_own():
     log = PlainGapLog(3, 2, 1, torch.float32, "cpu")
     log.start_gaps([1], torch.tensor([40]))
-    log.record([1], torch.tensor([1]), torch.tensor([7]), torch.zeros(1, 1))
+    log.record([1], torch.tensor([7]), torch.zeros(1, 1))
     assert log.gap_rows([0, 1, 2]).committed_lens == [41]
     assert log.gap_rows([0, 1, 2], [10, 11, 12]).committed_lens == [11]
 
@@ -281,7 +276,7 @@ def test_buffer_size_is_checked_against_free_device_memory(monkeypatch):
 
     # 8B shape: 3 x 4096 aux width in bf16 (24 KiB + 8 B per position), 129 slots, T = 32: 97 MiB.
     needed = PlainGapLog.bytes_needed(129, 32, 3 * 4096, torch.bfloat16)
-    assert needed == 129 * (32 * (3 * 4096 * 2 + 8) + 8)
+    assert needed == 129 * 32 * (3 * 4096 * 2 + 8)
     assert round(needed / 2**20) == 97
     monkeypatch.setattr(
         torch.cuda, "mem_get_info", lambda device=None: (needed + catch_up.CATCH_UP_MEMORY_HEADROOM, 0)
@@ -642,6 +637,102 @@ def test_the_tally_reads_back_only_copies_that_have_run():
         copy_.done = True
     assert tally.read_back(48) == [(2, 3, 16), (1, 1, 32)]  # in order, each its own stamp
     assert tally.read_back(64) == []  # windows with no positions are not closed
+
+
+def test_a_window_stays_open_while_a_side_stream_flush_may_still_add_to_it():
+    flush_running = [True]
+    tally = ReplayTally("cpu", busy=lambda: flush_running[0])
+    tally.add(torch.tensor([True, True]), 2)
+    assert tally.read_back(16) == [] and not tally._closed  # not closed: the sum may be partial
+    flush_running[0] = False
+    assert tally.read_back(32) == []  # closed now, under this stamp
+    assert tally.read_back(48) == [(2, 2, 32)]
+
+
+# ------------------------------------------- buffer-full flushes on a side stream
+class RecordingSideStream:
+    """``SideStream``'s interface; notes, in the shared timeline, where work is queued
+    beside the current stream and where the current stream waits for it."""
+
+    def __init__(self, timeline: list):
+        self.timeline, self.kept = timeline, []
+
+    @contextlib.contextmanager
+    def queue(self, *keep):
+        self.timeline.append("side:begin")
+        yield
+        self.timeline.append("side:end")
+        self.kept.append(keep)
+
+    def busy(self) -> bool:
+        return False
+
+    def join(self) -> None:
+        self.timeline.append("join")
+
+
+def side_stream_catch_up(made, case, capacity):
+    timeline = []
+    passes = FakeDraftPasses(case.topk, case.hidden_size)
+
+    def noted(name, run):
+        def call(*args):
+            timeline.append(name)
+            return run(*args)
+
+        return call
+
+    side = RecordingSideStream(timeline)
+    catch_up = DraftCatchUp(
+        made.req_to_token,
+        capacity=capacity,
+        hidden_width=AUX_WIDTH,
+        hidden_dtype=torch.float32,
+        passes=DraftPasses(noted("extend", passes.extend), noted("fill_kv", passes.fill_kv)),
+        report=lambda *report: timeline.append(("report", report[0])),
+        side=side,
+    )
+    return catch_up, passes, side, timeline
+
+
+@CATCH_UP_SETTINGS
+@given(case=spec_decode_cases(max_requests=4))
+def test_a_side_stream_flush_runs_beside_the_plain_steps_and_every_draft_pass_waits_for_it(case):
+    made = build_spec_decode_batch(case)
+    batch = made.batch
+    catch_up, passes, side, timeline = side_stream_catch_up(made, case, capacity=2)
+    logged = plain_steps(catch_up, batch, 3, torch.Generator().manual_seed(4))  # the third flushes
+
+    # The flush's draft forward is queued on the side stream; nothing waits for it while plain.
+    assert timeline == ["side:begin", "fill_kv", "side:end", ("report", CatchUpReason.BUFFER_FULL)]
+    [(_, ext, hidden, tails, _)] = passes.calls
+    bs = case.batch_size
+    # It read the logged rows of the first two steps, gathered before the third step wrote
+    # the log again, and every tensor it read from the current stream is held for it.
+    assert torch.equal(hidden, torch.stack([logged[s][1][r] for r in range(bs) for s in range(2)]))
+    [kept] = side.kept
+    assert any(k is ext for k in kept) and sum(isinstance(k, torch.Tensor) for k in kept) >= 3
+
+    timeline.clear()
+    catch_up.before_speculative_step(batch)  # the resume: waits, then replays the third step
+    assert timeline[0] == "join" and timeline[1:] == ["extend", ("report", CatchUpReason.RESUME)]
+    timeline.clear()
+    prefill = copy.copy(batch)
+    prefill.decoding_reqs = None
+    catch_up.before_extend_step(prefill)  # SGLang's draft pass follows a prefill
+    assert timeline == ["join"]
+
+
+def test_side_stream_bookkeeping_on_a_device_without_streams():
+    from sglang_dynspec.device_timer import SideStream
+
+    side = SideStream("cpu")
+    ran = []
+    with side.queue(torch.ones(2)):
+        ran.append("work")
+    assert ran == ["work"] and side.pending and not side.busy()
+    side.join()
+    assert not side.pending
 
 
 # ------------------------------------- a flush without the draft's last MLP (compat)

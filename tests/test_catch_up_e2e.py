@@ -44,7 +44,7 @@ from dynspec_testbed.server import (
     speculative_server_args,
 )
 from dynspec_testbed.workload import plugin_counters, random_requests, run_waves
-from sglang_dynspec.config import FLUSH_TOKENS_ENV
+from sglang_dynspec.config import FLUSH_STREAM_ENV, FLUSH_TOKENS_ENV
 from sglang_dynspec.worker import FLUSH_WITHOUT_LAST_MLP
 
 pytestmark = pytest.mark.server
@@ -173,14 +173,16 @@ def run_dynamic_with_dumps(tiny_models, tmp_path, env, buffer):
     return outputs, counters, dumps_by_tokens(tmp_path)
 
 
-# With a flush budget of two full logs, the six requests' gaps are flushed in pieces.
-FLUSH_IN_PIECES_ENV = {**OVERLAP_CI_ENV, FLUSH_TOKENS_ENV: str(2 * BUFFER)}
+# With a flush budget of two full logs, the six requests' gaps are flushed in pieces; and
+# through the side stream's bookkeeping (on the CPU the work runs in order: the device
+# side of SGLANG_DYNSPEC_FLUSH_STREAM is checked on the H200).
+FLUSH_IN_PIECES_ENV = {**OVERLAP_CI_ENV, FLUSH_TOKENS_ENV: str(2 * BUFFER), FLUSH_STREAM_ENV: "1"}
 
 
 @pytest.mark.parametrize(
     "scheduler_env",
     [CI_ENV, OVERLAP_CI_ENV, FLUSH_IN_PIECES_ENV],
-    ids=["sync", "overlap", "overlap-flushes-in-pieces"],
+    ids=["sync", "overlap", "overlap-flushes-in-pieces-on-a-side-stream"],
 )
 def test_draft_kv_after_catch_up_equals_always_speculating(
     tiny_models, eagle3_draft_kv, tmp_path, scheduler_env
@@ -198,6 +200,10 @@ def test_draft_kv_after_catch_up_equals_always_speculating(
     assert FLUSH_WITHOUT_LAST_MLP in (tmp_path / "server.log").read_text()
     if scheduler_env is FLUSH_IN_PIECES_ENV:  # in pieces of two logs: 8 positions, not 6 x 4
         assert counters.catch_up_tokens <= 2 * BUFFER * sum(counters.catch_ups.values()), counters
+        assert (
+            f"on a side stream beside the plain steps ({FLUSH_STREAM_ENV})"
+            in (tmp_path / "server.log").read_text()
+        )
     # No host sync in the plugin's step code: its own frames read no tensor to the host
     # during these steps (plain, speculative, resume and buffer-full catch-ups) except at
     # the host-mirror sites of host_reads.ALLOWED. The guard saw the plugin's frames: the

@@ -103,6 +103,35 @@ def test_a_bad_eager_threshold_names_the_variable(raw):
         config.settings_from_environ({config.EAGER_DRAFT_TOKENS_ENV: raw})
 
 
+@pytest.mark.parametrize("raw, expected", [(None, False), ("", False), ("1", True), ("off", False)])
+def test_flushes_stay_on_the_schedulers_stream_by_default(raw, expected):
+    environ = {} if raw is None else {config.FLUSH_STREAM_ENV: raw}
+    assert config.settings_from_environ(environ).flush_stream is expected
+
+
+@pytest.mark.parametrize("tp_size, refused", [(None, False), (1, False), (2, True)])
+def test_a_flush_stream_is_refused_with_tensor_parallelism(tp_size, refused):
+    settings = config.settings_from_environ({config.FLUSH_STREAM_ENV: "1"})
+    error = refusals.settings_error(settings, types.SimpleNamespace(tp_size=tp_size))
+    if refused:
+        assert config.FLUSH_STREAM_ENV in error and "--tp-size 2" in error
+    else:
+        assert error is None
+    assert refusals.settings_error(config.settings_from_environ({}), types.SimpleNamespace(tp_size=2)) is None
+
+
+def test_start_up_refuses_a_flush_stream_with_tensor_parallelism(monkeypatch):
+    import schedule_batches  # noqa: F401  (the CPU import of SGLang)
+
+    from sglang_dynspec import plugin
+
+    monkeypatch.setenv(config.FLUSH_STREAM_ENV, "1")
+    with pytest.raises(ConfigError, match=f"{config.FLUSH_STREAM_ENV}=1 is not supported with --tp-size 2"):
+        plugin.validate_server_args(types.SimpleNamespace(tp_size=2, pp_size=1))
+    with pytest.raises(ConfigError, match="--speculative-draft-model-path is required"):  # the next check
+        plugin.validate_server_args(types.SimpleNamespace(tp_size=1, pp_size=1))
+
+
 @pytest.mark.parametrize("n, m", [(8, 8), (8, 9), (8, 0)])
 def test_enable_threshold_must_be_between_1_and_disable(n, m):
     with pytest.raises(ConfigError) as e:
@@ -291,6 +320,7 @@ def test_the_default_policy_is_goodput_and_threshold_stays_an_option():
 ENV_NAMES = [flag.env for flag in config.FLAGS] + [
     config.FLUSH_TOKENS_ENV,
     config.EAGER_DRAFT_TOKENS_ENV,
+    config.FLUSH_STREAM_ENV,
     config.PLAIN_CUDA_GRAPH_ENV,
     config.REQUEST_MODES_ENV,
     config.SIMULATED_ACCEPTANCE_ENV,

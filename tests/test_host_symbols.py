@@ -73,6 +73,8 @@ def _library_names() -> frozenset[str]:
         torch.nn.Module,
         torch.cuda,
         torch.cuda.Event,
+        torch.cuda.Stream,
+        torch.profiler,
         torch.device,
         torch.dtype,
         logging,

@@ -90,6 +90,31 @@ def test_a_plain_step_runs_the_bound_forward_on_a_fresh_batch_inside_the_plain_g
     assert schedule_batches.differences(batch, before) == []
 
 
+def test_plain_result_accept_lens_are_made_on_the_host():
+    """Whatever device the step ran on (``meta`` here stands for a GPU): SGLang reads
+    ``accept_lens`` only on the host, so a plain step makes it there, no fill kernel
+    and no copy back per step."""
+    from sglang.srt.managers.utils import GenerationBatchResult
+
+    bs = 4
+    previous = compat.EagleDraftInput(
+        bonus_tokens=torch.zeros(bs, dtype=torch.int64, device="meta"),
+        topk_p=torch.zeros(bs, 1, device="meta"),
+        topk_index=torch.zeros(bs, 1, dtype=torch.int64, device="meta"),
+        hidden_states=torch.zeros(bs, 8, device="meta"),
+    )
+    plain = types.SimpleNamespace(
+        seq_lens=torch.zeros(bs, dtype=torch.int64, device="meta"),
+        return_logprob=False,
+        input_ids=torch.zeros(bs, dtype=torch.int64, device="meta"),
+        out_cache_loc=torch.zeros(bs, dtype=torch.int64, device="meta"),
+    )
+    out = GenerationBatchResult(next_token_ids=torch.zeros(bs, dtype=torch.int64, device="meta"))
+    result = spec_shaped_result(out, plain, previous)
+    assert result.accept_lens.device.type == "cpu" and result.accept_lens.tolist() == [1] * bs
+    assert result.next_draft_input.bonus_tokens.device.type == "meta"  # the step's tokens stay put
+
+
 def test_plain_result_is_spec_shaped_and_carries_the_draft_state():
     from sglang.srt.layers.logits_processor import LogitsProcessorOutput
     from sglang.srt.managers.utils import GenerationBatchResult

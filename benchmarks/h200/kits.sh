@@ -20,10 +20,7 @@ fi
 source .gpu/device-env.sh || exit 1
 [ -d .gpu-kits/test/kits ] || { echo "no .gpu-kits/test: run 'bash benchmarks/h200/kits.sh --prepare' and carry .gpu-kits"; exit 1; }
 cp -r .gpu-kits/test /tmp/site/sglang/
-python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site ./testbed \
-  > /tmp/testbed-install.log 2>&1 || { tail -20 /tmp/testbed-install.log; exit 1; }
-M=/tmp/tiny-models
-python3 -m dynspec_testbed.models "$M" > /dev/null || exit 1
+source benchmarks/h200/tiny_models.sh
 # SGLang's popen_launch_server runs the `sglang` console script, which a --target install lacks.
 mkdir -p /tmp/bin
 printf '#!/bin/sh\nexec python3 -c "import sys; from sglang.cli.main import main; sys.exit(main())" "$@"\n' > /tmp/bin/sglang

@@ -23,7 +23,8 @@
 # (default 2); PROFILE_CONFIGS="" skips the profiles; SWEEP_CONFIGS (default: all) the servers that
 # run the sweep and the prefill-only point; dynamic-plain is EAGLE3_DYNAMIC held plain above 2 requests,
 # for a profile of the off state: PROFILE_CONFIGS="baseline dynamic-plain"; dynamic-graph is
-# EAGLE3_DYNAMIC with SGLANG_DYNSPEC_EAGER_DRAFT_TOKENS=0 (flushes in the draft's prefill graph).
+# EAGLE3_DYNAMIC with SGLANG_DYNSPEC_EAGER_DRAFT_TOKENS=0 (flushes in the draft's prefill graph);
+# dynamic-stream with SGLANG_DYNSPEC_FLUSH_STREAM=1 (flushes on a side stream).
 # Usage (on the device, repo root): SHAPE=8b PLUGIN_COMMIT=<sha> bash benchmarks/h200/offstate_attribution.sh
 #   e.g. the flush A/B: CONFIGS="baseline dynamic dynamic-pieces" WAVES=4 REPEATS=3 PROFILE_CONFIGS="" ...
 set -u
@@ -54,6 +55,8 @@ server_args() {
     # dynamic-graph: flushes and prefills in SGLang's draft prefill graph, as before 2026-12-03
     # night (SGLANG_DYNSPEC_EAGER_DRAFT_TOKENS=0): the A/B of leaving that graph.
     dynamic-graph) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
+    # dynamic-stream: buffer-full flushes on a side stream (SGLANG_DYNSPEC_FLUSH_STREAM=1).
+    dynamic-stream) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
     dynamic-plain) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics \
       --speculative-dynamic-policy threshold --speculative-disable-batch-threshold 2 \
       --speculative-enable-batch-threshold 1 ;;
@@ -71,6 +74,11 @@ for cfg in $CONFIG_LIST; do
     export SGLANG_DYNSPEC_EAGER_DRAFT_TOKENS=0
   else
     unset SGLANG_DYNSPEC_EAGER_DRAFT_TOKENS
+  fi
+  if [ "$cfg" = dynamic-stream ]; then
+    export SGLANG_DYNSPEC_FLUSH_STREAM=1
+  else
+    unset SGLANG_DYNSPEC_FLUSH_STREAM
   fi
   # shellcheck disable=SC2046
   start_server "$cfg" $(server_args "$cfg") --log-level info || continue

@@ -16,11 +16,7 @@
 #                                                         # on 2026-12-03): sync in the next call
 set -u
 source .gpu/device-env.sh || exit 1
-python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site ./testbed \
-  > /tmp/testbed-install.log 2>&1 || { tail -20 /tmp/testbed-install.log; exit 1; }
-M=/tmp/tiny-models
-python3 -m dynspec_testbed.models "$M" > /dev/null || exit 1
-export MODEL=$M/target
+source benchmarks/h200/tiny_models.sh
 source benchmarks/h200/lib.sh
 TINY=(--load-format auto --dtype bfloat16 --enable-deterministic-inference)
 # The threshold policy, named: the default (goodput) decodes this random pair plain from the

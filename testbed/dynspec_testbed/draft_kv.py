@@ -56,6 +56,10 @@ def _dump_before_release(req, tree_cache, *args, **kwargs):
 
     n = committed_positions(req)
     pool = _spec_worker.draft_worker.draft_runner.token_to_kv_pool
+    if pool.k_buffer[0].is_cuda:
+        # Every stream: a buffer-full flush may still be writing on its own stream
+        # (SGLANG_DYNSPEC_FLUSH_STREAM); SGLang's next draft forward would wait for it.
+        torch.cuda.synchronize()
     slots = _spec_worker.req_to_token_pool.req_to_token[request_pool_index(req), :n].long()
     record = {
         "rid": req.rid,
