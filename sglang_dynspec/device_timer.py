@@ -177,6 +177,9 @@ class SideStream:
         if self._stream is None:
             yield
             return
+        # What earlier blocks kept goes once they have run, so a long plain phase with
+        # no join (no prefill, no resume) holds at most the flushes still in flight.
+        self.busy()
         self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
         with torch.cuda.stream(self._stream):
             yield

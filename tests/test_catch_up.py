@@ -735,6 +735,68 @@ def test_side_stream_bookkeeping_on_a_device_without_streams():
     assert not side.pending
 
 
+class FakeCudaStreams:
+    """``torch.cuda``'s stream calls as ``SideStream`` makes them, on the host: which stream
+    is current, what waits for what, and events that complete when the test says."""
+
+    class Event:
+        def __init__(self):
+            self.done = False
+
+        def record(self, stream):
+            stream.log.append("record")
+
+        def query(self):
+            return self.done
+
+    class Stream:
+        def __init__(self, name, log):
+            self.name, self.log, self.device = name, log, "cuda:0"
+
+        def wait_stream(self, other):
+            self.log.append(f"{self.name} waits for {other.name}")
+
+        def wait_event(self, event):
+            self.log.append(f"{self.name} waits for an event")
+
+    def __init__(self, monkeypatch):
+        self.log = []
+        self.main = self.Stream("main", self.log)
+        self.current = self.main
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
+        monkeypatch.setattr(torch.cuda, "stream", self._use)
+        monkeypatch.setattr(torch.cuda, "Event", self.Event)
+
+    @contextlib.contextmanager
+    def _use(self, stream):
+        self.current, before = stream, self.current
+        try:
+            yield
+        finally:
+            self.current = before
+
+
+def test_a_side_stream_holds_what_its_blocks_read_only_until_they_have_run(monkeypatch):
+    from sglang_dynspec.device_timer import SideStream
+
+    cuda = FakeCudaStreams(monkeypatch)
+    side = SideStream("cpu")
+    side._stream = cuda.Stream("side", cuda.log)  # as on a GPU
+    with side.queue("first"):
+        assert cuda.current is side._stream  # the block's work goes on the side stream
+    assert cuda.current is cuda.main and cuda.log == ["side waits for main", "record"]
+    first = side._done
+    with side.queue("second"):
+        pass
+    assert side._kept == [("first",), ("second",)] and side.busy()  # both may still be running
+    first.done = side._done.done = True
+    with side.queue("third"):  # a long plain phase: no join, and nothing piles up
+        pass
+    assert side._kept == [("third",)]
+    side.join()
+    assert cuda.log[-1] == "main waits for an event" and side._kept == [] and not side.busy()
+
+
 # ------------------------------------- a flush without the draft's last MLP (compat)
 class CountingMlp(torch.nn.Module):
     """A stand-in MLP: doubles its rows and counts the rows it was given."""
