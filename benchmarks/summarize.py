@@ -3,7 +3,8 @@
     python benchmarks/summarize.py benchmarks/results/h200-20261129.jsonl [--where KEY=VALUE ...]
 
 ``--where plugin_commit=2eab7dc`` keeps the rows of one measurement (the file holds
-several); ``KEY=none`` matches rows without the key.
+several); ``KEY=none`` matches rows without the key. ``--dynamic dynamic-splitkv`` puts that
+configuration in the dynamic column (default ``dynamic``).
 
 For each concurrency: mean output tok/s of each configuration with its spread over
 repeats (min-max), the ratios to the baseline, and dynamic / max(baseline, EAGLE-3),
@@ -18,8 +19,6 @@ from __future__ import annotations
 import json
 import statistics
 from collections import defaultdict
-
-CONFIGS = ("baseline", "eagle3", "dynamic")
 
 
 def matches(record, where):
@@ -44,7 +43,8 @@ def spread(rows, key):
     return f"{min(values):,.0f}–{max(values):,.0f}"
 
 
-def main(path, where=()):
+def main(path, where=(), dynamic="dynamic"):
+    configs = ("baseline", "eagle3", dynamic)
     points = load(path, where)
     concurrencies = sorted({c for (_, c) in points})
     print(
@@ -53,7 +53,7 @@ def main(path, where=()):
     )
     print("|---|---|---|---|---|---|---|---|")
     for c in concurrencies:
-        b, e, d = (points[(cfg, c)] for cfg in CONFIGS)
+        b, e, d = (points[(cfg, c)] for cfg in configs)
         if not (b and e and d):
             continue
         best = max(mean(b, "output_tok_s"), mean(e, "output_tok_s"))
@@ -71,7 +71,7 @@ def main(path, where=()):
     print("| C | ITL p50 ms (base / EAGLE-3 / dynamic) | ITL p99 ms | TTFT p50 ms | per-request tok/s |")
     print("|---|---|---|---|---|")
     for c in concurrencies:
-        if not all(points[(cfg, c)] for cfg in CONFIGS):
+        if not all(points[(cfg, c)] for cfg in configs):
             continue
         cells = []
         for key, fmt in (
@@ -82,7 +82,7 @@ def main(path, where=()):
         ):
             cells.append(
                 " / ".join(
-                    format(statistics.median(r[key] for r in points[(cfg, c)]), fmt) for cfg in CONFIGS
+                    format(statistics.median(r[key] for r in points[(cfg, c)]), fmt) for cfg in configs
                 )
             )
         print(f"| {c} | " + " | ".join(cells) + " |")
@@ -120,5 +120,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results")
     parser.add_argument("--where", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--dynamic", default="dynamic", help="the configuration in the dynamic column")
     args = parser.parse_args()
-    main(args.results, [tuple(w.split("=", 1)) for w in args.where])
+    main(args.results, [tuple(w.split("=", 1)) for w in args.where], args.dynamic)

@@ -44,8 +44,10 @@ from typing import Any
 
 import sglang
 import torch
+from sglang.kernels.ops.attention import verify_splitkv
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed import parallel_state
+from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 from sglang.srt.layers.logits_processor import LogitsMetadata, LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.managers import overlap_utils
 from sglang.srt.managers.schedule_batch import Req, ReqKvInfo, ScheduleBatch
@@ -154,6 +156,7 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
         EAGLEWorkerV2,
         (
             "forward_batch_generation",
+            "init_attention_backends",
             "init_cuda_graphs",
             "target_worker",
             "draft_worker",
@@ -317,6 +320,11 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
     HostSymbols(llama_eagle3.LlamaDecoderLayer, ("mlp",)),
     # ... which takes effect only outside the draft's prefill CUDA graph (draft_graph_off_from).
     HostSymbols(ModelRunner, ("prefill_cuda_graph_runner",)),
+    # The target's verify attention through SGLang's split-KV verify kernel (use_split_kv_verify).
+    HostSymbols(ModelRunner, ("decode_attn_backend",)),
+    HostSymbols(TritonAttnBackend, ("use_verify_splitkv", "enable_deterministic")),
+    HostSymbols(verify_splitkv, ("VerifySplitKV",)),
+    HostSymbols(verify_splitkv.VerifySplitKV, ("_alloc", "att_out")),
     HostSymbols(LogitsMetadata, ("forward_mode",)),
     # Step-cost calibration: the synthetic decode batch and the limits of the grid
     # (synthetic_decode_batch, synthetic_batch_limits, decode_graph_batch_sizes).
@@ -438,6 +446,80 @@ def keep_draft_graphs_on_recapture(spec_worker) -> int:
         runner.weight_updater = dataclasses.replace(updater, recapture_cuda_graph=recapture)
         changed += 1
     return changed
+
+
+@dataclass(frozen=True)
+class VerifyAttention:
+    """Which kernel the target's verify attention runs, and why (the start-up log)."""
+
+    split_kv: bool  # SGLang's split-KV verify kernel on the target's triton backends
+    note: str
+
+
+class ZeroedSplitKVScratch(verify_splitkv.VerifySplitKV):
+    """SGLang's split-KV verify with its partial outputs zeroed when allocated.
+
+    The kernel's second stage reads every split's partial output and weighs the splits
+    that held no keys by 0; their rows are never written, so a fresh ``torch.empty``
+    buffer holding a NaN or an infinity would reach the attention output (NaN x 0).
+    Once zeroed, every value in the buffer is finite: written splits store a finite
+    mean. (On the CPU this turned 2 of 4 shapes' outputs into NaN; tests/test_split_kv_verify.py.)
+    """
+
+    def _alloc(self, max_bs):
+        super()._alloc(max_bs)
+        self.att_out.zero_()
+
+
+def _target_triton_backends(spec_worker) -> list:
+    runner = spec_worker.target_worker.model_runner
+    backends = {id(b): b for b in (runner.attn_backend, getattr(runner, "decode_attn_backend", None))}
+    return [b for b in backends.values() if isinstance(b, TritonAttnBackend)]
+
+
+def use_split_kv_verify(spec_worker) -> VerifyAttention:
+    """Route the target's TARGET_VERIFY attention through SGLang's split-KV verify kernel
+    (``TritonAttnBackend.use_verify_splitkv``, which SGLang sets only on AMD gfx95).
+
+    Call after the target's attention backends exist and before its CUDA graphs are
+    captured (``EAGLEWorkerV2.init_attention_backends``): a captured verify graph keeps
+    the kernel it captured. The kernel computes causal attention over the prefix and
+    the draft tokens, which is the verify's tree mask only for a chain
+    (``--speculative-eagle-topk 1``); per call it falls back to the prefill kernel for
+    what it cannot serve (sliding window, sinks, logit cap, ragged drafts)."""
+    runner = spec_worker.target_worker.model_runner
+    backends = _target_triton_backends(spec_worker)
+    if not backends:
+        return VerifyAttention(
+            False,
+            f"not used: the target's attention backend is {type(runner.attn_backend).__name__}; "
+            "the split-KV verify kernel is the triton backend's (--attention-backend triton)",
+        )
+    topk = spec_worker.topk
+    if topk != 1:
+        return VerifyAttention(
+            False,
+            f"not used: --speculative-eagle-topk {topk}; the split-KV verify kernel computes a "
+            "causal chain, the verify's mask only with --speculative-eagle-topk 1",
+        )
+    # SGLang's cache builds its VerifySplitKV by this module name at the first verify.
+    verify_splitkv.VerifySplitKV = ZeroedSplitKVScratch
+    for backend in backends:
+        backend.use_verify_splitkv = True
+    if any(backend.enable_deterministic for backend in backends):
+        return VerifyAttention(
+            True,
+            "set, but --enable-deterministic-inference runs SGLang's deterministic extend kernel "
+            "before it, so the verify keeps that kernel",
+        )
+    return VerifyAttention(True, "SGLang's split-KV verify kernel (verify_splitkv.py) on the target")
+
+
+def verify_attention_kernel(spec_worker) -> str:
+    """``"split-kv"`` if the target's verify runs SGLang's split-KV kernel, else ``"sglang"``
+    (its default); part of the step-cost cache key: the kernel sets a speculative step's cost."""
+    backends = _target_triton_backends(spec_worker)
+    return "split-kv" if any(b.use_verify_splitkv for b in backends) else "sglang"
 
 
 def _recapture_if_owning_decode_graph(runner, recapture: Callable[[], None]) -> Callable[[], None]:
@@ -622,6 +704,7 @@ def step_cost_key(spec_worker, grid) -> dict:
         "spec": [args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens],
         "tp": parallel_state.get_tensor_model_parallel_world_size(),
         "attention": str(getattr(args, "attention_backend", None)),
+        "verify_attention": verify_attention_kernel(spec_worker),
         "cuda_graph": not getattr(args, "disable_cuda_graph", False),
         "grid": [list(grid[0]), list(grid[1])],
     }

@@ -202,6 +202,16 @@ DEFAULT_EAGER_DRAFT_TOKENS = 1024
 # until a device call has compared it; with --tp-size > 1 refused (the flush's
 # collectives would run beside the plain step's).
 FLUSH_STREAM_ENV = "SGLANG_DYNSPEC_FLUSH_STREAM"
+# 1: the target's verify attention runs SGLang's split-KV verify kernel
+# (sglang/kernels/ops/attention/verify_splitkv.py: the prefix split across programs as in
+# a decode, merged by log-sum-exp, then the causal block of the draft tokens) instead of
+# its prefill kernel, which walks each request's whole prefix serially per query head.
+# SGLang switches it on only on AMD gfx95 (TritonAttnBackend.use_verify_splitkv); the
+# plugin sets it with the triton backend and --speculative-eagle-topk 1 (compat.use_split_kv_verify).
+# On the H200 the prefill kernel was 64-89% of a speculative step (16.5 of 25.8 ms at
+# C=64; benchmarks/results/h200-20261204b-2364f20/README.md). Off until a device call
+# has measured the kernel there.
+SPLIT_KV_VERIFY_ENV = "SGLANG_DYNSPEC_SPLIT_KV_VERIFY"
 # Where the start-up step-cost tables are cached (cost_cache); "off" disables the cache.
 COST_CACHE_ENV = "SGLANG_DYNSPEC_COST_CACHE"
 
@@ -305,6 +315,8 @@ class Settings:
     eager_draft_tokens: int = _set_by(EAGER_DRAFT_TOKENS_ENV)
     # True: buffer-full flushes on a side stream
     flush_stream: bool = _set_by(FLUSH_STREAM_ENV)
+    # True: the target's verify attention through SGLang's split-KV verify kernel
+    split_kv_verify: bool = _set_by(SPLIT_KV_VERIFY_ENV)
     # False: plain steps run eagerly (saves the graph's memory)
     plain_cuda_graph: bool = _set_by(PLAIN_CUDA_GRAPH_ENV)
     # True: per-request step modes in meta_info (REQUEST_MODES_KEY)
@@ -424,6 +436,7 @@ def settings_from_environ(environ: Mapping[str, str] = os.environ) -> Settings:
         flush_tokens=flush_tokens_from_environ(environ),
         eager_draft_tokens=eager_draft_tokens_from_environ(environ),
         flush_stream=env_bool(FLUSH_STREAM_ENV, False, environ),
+        split_kv_verify=env_bool(SPLIT_KV_VERIFY_ENV, False, environ),
         penalties=penalties_from_environ(environ),
         plain_cuda_graph=env_bool(PLAIN_CUDA_GRAPH_ENV, True, environ),
         request_modes=env_bool(REQUEST_MODES_ENV, False, environ),

@@ -77,6 +77,18 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
                     self.controller.simulated_acceptance,
                 )
 
+    def init_attention_backends(self):
+        # The scheduler calls this after the target's attention backends exist and before
+        # any CUDA graph is captured: the verify graph keeps the kernel it captures.
+        super().init_attention_backends()
+        if not self.settings.split_kv_verify:
+            return
+        verify = compat.use_split_kv_verify(self)
+        if self._first_rank:
+            logger.info(
+                "[sglang-dynspec] target verify attention (%s): %s", config.SPLIT_KV_VERIFY_ENV, verify.note
+            )
+
     def init_cuda_graphs(self):
         # The scheduler calls this once the KV pools exist (both SGLang versions, with
         # or without CUDA graphs): allocate the catch-up buffer first, so the graphs

@@ -37,7 +37,7 @@ from dynspec_testbed.workload import (
     split_into_waves,
     waves_of,
 )
-from sglang_dynspec.config import REQUEST_MODES_ENV, REQUEST_MODES_KEY
+from sglang_dynspec.config import REQUEST_MODES_ENV, REQUEST_MODES_KEY, SPLIT_KV_VERIFY_ENV
 
 pytestmark = pytest.mark.server
 
@@ -192,7 +192,8 @@ def test_overlap_topk1_agreeing_pair_keeps_full_acceptance(tiny_models, referenc
     """The agreeing pair accepts every draft of a chain; right after plain phases it still does."""
     steps = 3
     args = dynamic_args(tiny_models, "agree", steps=steps, topk=1, draft_tokens=4, disable_above=3, dwell=2)
-    with CpuServer(args, log_path=tmp_path / "server.log", env=OVERLAP_CI_ENV) as server:
+    log = tmp_path / "server.log"
+    with CpuServer(args, log_path=log, env={**OVERLAP_CI_ENV, SPLIT_KV_VERIFY_ENV: "1"}) as server:
         got = {**run_waves(server.url, WAVES), **run_waves(server.url, CRASH_WAVES)}
         assert_switched_both_ways_and_no_leak(server)
         counters = plugin_counters(server.url)
@@ -214,3 +215,7 @@ def test_overlap_topk1_agreeing_pair_keeps_full_acceptance(tiny_models, referenc
             f"{lone.rid}: {n} tokens took {verify_steps} verify steps; full acceptance needs "
             f"{full_acceptance}"
         )
+    # The split-KV verify's switch ran in the scheduler's order (after the target's attention
+    # backends exist) and, on the CPU's attention backend, names what it needs.
+    assert f"({SPLIT_KV_VERIFY_ENV}): not used: the target's attention backend is " in log.read_text()
+    assert "(--attention-backend triton)" in log.read_text()

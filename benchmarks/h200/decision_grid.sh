@@ -42,6 +42,8 @@ server_args() {
     baseline) echo --enable-metrics ;;
     eagle3) echo --speculative-algorithm EAGLE3 "${SPEC[@]}" --enable-metrics ;;
     dynamic) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
+    # The same with the target's verify attention through SGLang's split-KV kernel (issue 20).
+    dynamic-splitkv) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
   esac
 }
 
@@ -49,15 +51,16 @@ jsonl() { python3 -c "import json,sys; print(json.dumps(dict(a.split('=',1) for 
 
 for cfg in ${CONFIGS:-baseline eagle3 dynamic}; do
   t0=$SECONDS
+  if [ "$cfg" = dynamic-splitkv ]; then export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=1; else unset SGLANG_DYNSPEC_SPLIT_KV_VERIFY; fi
   # shellcheck disable=SC2046
   if start_server "$cfg" $(server_args "$cfg") --log-level info; then
     jsonl kind=server_start "config=$cfg" "row=$ROW" "start_s=$((SECONDS - t0))" up=true
-    if [ "$cfg" = dynamic ]; then
-      python3 - "$OUT/server_$cfg.log" "$ROW" >> "$RESULTS" <<'EOF'
+    if [ "${cfg%%-*}" = dynamic ]; then
+      python3 - "$OUT/server_$cfg.log" "$ROW" "$cfg" >> "$RESULTS" <<'EOF'
 import json, re, sys
 text = open(sys.argv[1]).read()
 m = re.search(r"step costs \((timed at start-up|read from the cache) in ([0-9.]+) s", text)
-print(json.dumps({"kind": "startup_costs", "config": "dynamic", "row": sys.argv[2],
+print(json.dumps({"kind": "startup_costs", "config": sys.argv[3], "row": sys.argv[2],
                   "cache_hit": None if m is None else m.group(1) == "read from the cache",
                   "seconds": None if m is None else float(m.group(2))}))
 EOF
@@ -66,7 +69,7 @@ EOF
       --concurrency "${C:-1,4,16,32,48,64,128}" --repeats "${REPEATS:-2}" --waves "${WAVES:-2}" \
       --out "$RESULTS" 2> "$OUT/logs/sweep_$cfg.err" | tail -n 2
     # The dynamic server's corrections, acceptance by source and steps per mode at the end.
-    [ "$cfg" = dynamic ] && curl -s "$URL/metrics" | grep "^sglang:spec_dynamic" > "$OUT/logs/metrics_dynamic.txt"
+    [ "${cfg%%-*}" = dynamic ] && curl -s "$URL/metrics" | grep "^sglang:spec_dynamic" > "$OUT/logs/metrics_$cfg.txt"
     stop_server
   else
     jsonl kind=server_start "config=$cfg" "row=$ROW" up=false
@@ -74,6 +77,6 @@ EOF
   mv "$OUT/server_$cfg.log" "$OUT/logs/" 2>/dev/null
 done
 
-grep -h "sglang-dynspec" "$OUT"/logs/server_dynamic.log | grep -v Capturing | cut -c1-220 | head -n 30
+grep -h "sglang-dynspec" "$OUT"/logs/server_dynamic*.log | grep -v Capturing | cut -c1-220 | head -n 30
 python3 benchmarks/summarize.py "$RESULTS" || true
 tar -C "$OUT" -cJf "$OUT/logs.tar.xz" logs && rm -rf "$OUT/logs"

@@ -1,0 +1,255 @@
+"""The target's verify attention through SGLang's split-KV verify kernel
+(``SGLANG_DYNSPEC_SPLIT_KV_VERIFY``, ``compat.use_split_kv_verify``).
+
+* The switch: on real ``TritonAttnBackend`` objects, it sets SGLang's own flag on the
+  target's triton backends with ``--speculative-eagle-topk 1`` only, says why not
+  otherwise (naming the flag), and the step-cost cache key tells the two kernels
+  apart. The flag is the one ``TritonAttnBackend.forward_extend`` reads for a
+  TARGET_VERIFY forward in the installed SGLang (an upgrade that renames it fails here).
+* The kernel: SGLang's ``verify_splitkv_fwd`` against the kernel it replaces
+  (``extend_attention_fwd`` with the verify's chain mask, as the backend calls it) and a
+  float64 reference, run by Triton's interpreter on this CPU, in a subprocess (the
+  interpreter is chosen when the kernels are defined): batches with different prefix
+  lengths, grouped-query heads, draft lengths that are not a power of two, and the
+  index buffer of a captured CUDA graph, longer than the batch's prefixes (the kernel
+  derives its split count from that buffer's length).
+
+The end-to-end check that the hook runs in the scheduler's order is in
+``test_e2e_dynamic.py`` (its start-up line); the kernel's speed and its numerics at
+the 8B shape in bf16 are the H200's (``benchmarks/h200/splitkv_check.py``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+import schedule_batches  # noqa: F401  (sets up the CPU import of SGLang first)
+
+from sglang_dynspec import compat, config
+
+
+def _triton_backend(deterministic: bool = False):
+    """A real ``TritonAttnBackend`` with only the attributes the switch reads (its
+    constructor needs a model runner on a GPU)."""
+    backend = object.__new__(compat.TritonAttnBackend)
+    backend.use_verify_splitkv = False
+    backend.enable_deterministic = deterministic
+    return backend
+
+
+def _worker(attn_backend, decode_backend=None, topk: int = 1):
+    runner = types.SimpleNamespace(
+        attn_backend=attn_backend, decode_attn_backend=decode_backend or attn_backend
+    )
+    return types.SimpleNamespace(target_worker=types.SimpleNamespace(model_runner=runner), topk=topk)
+
+
+@pytest.fixture(autouse=True)
+def _keep_sglangs_scratch_class(monkeypatch):
+    # The switch installs the plugin's scratch class in SGLang's module; undo it after each test.
+    monkeypatch.setattr(compat.verify_splitkv, "VerifySplitKV", compat.verify_splitkv.VerifySplitKV)
+
+
+def test_the_switch_sets_sglangs_flag_on_every_triton_backend_of_the_target():
+    prefill, decode = _triton_backend(), _triton_backend()
+    worker = _worker(prefill, decode)
+    assert compat.verify_attention_kernel(worker) == "sglang"
+    verify = compat.use_split_kv_verify(worker)
+    assert verify.split_kv and "split-KV" in verify.note
+    assert prefill.use_verify_splitkv and decode.use_verify_splitkv
+    assert compat.verify_splitkv.VerifySplitKV is compat.ZeroedSplitKVScratch
+    assert compat.verify_attention_kernel(worker) == "split-kv"
+
+
+@pytest.mark.parametrize("topk", [2, 4])
+def test_a_tree_keeps_sglangs_kernel(topk):
+    backend = _triton_backend()
+    verify = compat.use_split_kv_verify(_worker(backend, topk=topk))
+    assert not verify.split_kv and not backend.use_verify_splitkv
+    assert f"--speculative-eagle-topk {topk}" in verify.note
+
+
+def test_another_attention_backend_is_left_alone():
+    other = types.SimpleNamespace(use_verify_splitkv=False)
+    verify = compat.use_split_kv_verify(_worker(other))
+    assert not verify.split_kv and other.use_verify_splitkv is False
+    assert "--attention-backend triton" in verify.note and "SimpleNamespace" in verify.note
+    assert compat.verify_attention_kernel(_worker(other)) == "sglang"
+
+
+def test_deterministic_inference_is_named_as_what_keeps_the_old_kernel():
+    backend = _triton_backend(deterministic=True)
+    verify = compat.use_split_kv_verify(_worker(backend))
+    assert backend.use_verify_splitkv
+    assert "--enable-deterministic-inference" in verify.note
+
+
+def test_the_installed_backend_routes_the_verify_by_that_flag():
+    """The flag the switch sets is what ``forward_extend`` reads for a TARGET_VERIFY
+    forward, after the deterministic kernel's early return (which the note names)."""
+    source = inspect.getsource(compat.TritonAttnBackend.forward_extend)
+    flag = source.index("self.use_verify_splitkv")
+    assert "is_target_verify()" in source[flag:]
+    assert source.index("self.enable_deterministic") < flag
+    assert "verify_splitkv_fwd" in source[flag:]
+
+
+@pytest.mark.parametrize(
+    "raw, expected", [(None, False), ("", False), ("1", True), ("0", False), ("on", True)]
+)
+def test_the_split_kv_verify_is_off_by_default(raw, expected):
+    environ = {} if raw is None else {config.SPLIT_KV_VERIFY_ENV: raw}
+    assert config.settings_from_environ(environ).split_kv_verify is expected
+
+
+def test_a_bad_value_names_the_variable():
+    with pytest.raises(config.ConfigError, match=config.SPLIT_KV_VERIFY_ENV):
+        config.settings_from_environ({config.SPLIT_KV_VERIFY_ENV: "fast"})
+
+
+# The kernels under Triton's interpreter, in a child process: for each scratch class
+# (SGLang's own and the plugin's zeroed one) and each case, the split-KV verify's output
+# against the prefill kernel's and a float64 reference. A fresh scratch buffer is filled
+# with NaN first: what torch.empty may hand out (in a fresh child it is zeros, which would
+# hide the hazard).
+_KERNEL_SCRIPT = textwrap.dedent(
+    """
+    import json, math, sys
+    sys.path.insert(0, sys.argv[2])
+    import schedule_batches  # the CPU import of SGLang
+    import torch
+    from sglang.kernels.ops.attention import verify_splitkv
+    from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
+    from sglang_dynspec import compat
+
+    SGLANGS = compat.ZeroedSplitKVScratch.__mro__[1]
+    allocate = SGLANGS._alloc
+
+    def garbage_alloc(self, max_bs):
+        allocate(self, max_bs)
+        self.att_out.fill_(float("nan"))
+
+    SGLANGS._alloc = garbage_alloc
+
+    def reference(q, k, v, kb, vb, prefix_lens, kv_indices, draft, scale):
+        out, start, row = [], 0, 0
+        for n in prefix_lens:
+            idx = kv_indices[start:start + n]
+            start += n
+            keys = torch.cat([kb[idx], k[row:row + draft]]).double()  # [n + draft, hkv, d]
+            values = torch.cat([vb[idx], v[row:row + draft]]).double()
+            group = q.shape[1] // keys.shape[1]
+            keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+            scores = torch.einsum("qhd,khd->hqk", q[row:row + draft].double(), keys) * scale
+            visible = torch.ones(draft, n + draft, dtype=torch.bool)
+            visible[:, n:] = torch.tril(torch.ones(draft, draft, dtype=torch.bool))
+            scores = scores.masked_fill(~visible, float("-inf"))
+            out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values))
+            row += draft
+        return torch.cat(out)
+
+    def worst(a, b):
+        d = (a.double() - b.double()).abs().max().item()
+        return None if math.isnan(d) else d  # JSON has no NaN
+
+    results = {}
+    for name, scratch in (("sglang", SGLANGS), ("plugin", compat.ZeroedSplitKVScratch)):
+        verify_splitkv.VerifySplitKV = scratch
+        verify_splitkv._VK_CACHE.clear()
+        results[name] = []
+        for case in json.loads(sys.argv[1]):
+            torch.manual_seed(case["seed"])
+            prefix_lens, draft, hq, hkv, d = case["prefix_lens"], case["draft"], case["hq"], case["hkv"], case["d"]
+            bs, pool = len(prefix_lens), sum(prefix_lens) + 64
+            kb, vb = torch.randn(pool, hkv, d), torch.randn(pool, hkv, d)
+            kv_indices = torch.randperm(pool)[: sum(prefix_lens)]
+            # A captured graph's index buffer is longer than the batch's prefixes.
+            kv_indices = torch.cat([kv_indices, torch.zeros(case["spare_indices"], dtype=torch.int64)])
+            kv_indptr = torch.zeros(bs + 1, dtype=torch.int32)
+            kv_indptr[1:] = torch.cumsum(torch.tensor(prefix_lens), 0)
+            qo_indptr = torch.arange(0, (bs + 1) * draft, draft, dtype=torch.int32)
+            q, k, v = torch.randn(bs * draft, hq, d), torch.randn(bs * draft, hkv, d), torch.randn(bs * draft, hkv, d)
+            # The verify's tree mask of a chain, as the triton backend passes it: per
+            # request, draft rows of (prefix + draft) columns.
+            masks = []
+            for n in prefix_lens:
+                m = torch.ones(draft, n + draft, dtype=torch.bool)
+                m[:, n:] = torch.tril(torch.ones(draft, draft, dtype=torch.bool))
+                masks.append(m.flatten())
+            mask_indptr = torch.zeros(bs + 1, dtype=torch.int64)
+            mask_indptr[1:] = torch.cumsum(torch.tensor([draft * (n + draft) for n in prefix_lens]), 0)
+            scale = d ** -0.5
+            split, prefill = torch.empty_like(q), torch.empty_like(q)
+            ran = verify_splitkv.verify_splitkv_fwd(
+                q, k, v, split, kb, vb, qo_indptr, kv_indptr, kv_indices, torch.cat(masks), True,
+                mask_indptr, draft, 1.0, 1.0, scale, max_bs=bs,
+            )
+            extend_attention_fwd(
+                q, k, v, prefill, kb, vb, qo_indptr, kv_indptr, kv_indices, torch.cat(masks), True,
+                mask_indptr, draft, 1.0, 1.0, scale,
+            )
+            ref = reference(q, k, v, kb, vb, prefix_lens, kv_indices, draft, scale)
+            results[name].append({
+                "ran": ran,
+                "split_vs_prefill": worst(split, prefill),
+                "split_vs_reference": worst(split, ref),
+                "prefill_vs_reference": worst(prefill, ref),
+            })
+    print(json.dumps(results))
+    """
+)
+
+KERNEL_CASES = [
+    # One request, a prefix shorter than one key block: 3 of 4 splits hold no keys.
+    {"prefix_lens": [5], "draft": 4, "hq": 4, "hkv": 4, "d": 32, "spare_indices": 0, "seed": 1},
+    # Different prefix lengths, grouped-query heads (4 per KV head), as the 8B target.
+    {"prefix_lens": [17, 70, 3], "draft": 4, "hq": 8, "hkv": 2, "d": 64, "spare_indices": 0, "seed": 2},
+    # Draft length 5 (tiles padded to 8); a graph-sized index buffer: 16 splits, most empty.
+    {"prefix_lens": [40, 9], "draft": 5, "hq": 4, "hkv": 1, "d": 32, "spare_indices": 20000, "seed": 3},
+    # Draft length 2; prefixes long enough that every split holds keys.
+    {"prefix_lens": [256, 200], "draft": 2, "hq": 2, "hkv": 2, "d": 16, "spare_indices": 0, "seed": 4},
+]
+
+
+@pytest.fixture(scope="module")
+def kernel_results() -> dict[str, list[dict]]:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", _KERNEL_SCRIPT, json.dumps(KERNEL_CASES), str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {name: len(r) for name, r in results.items()} == {
+        "sglang": len(KERNEL_CASES),
+        "plugin": len(KERNEL_CASES),
+    }
+    return results
+
+
+def test_split_kv_verify_computes_the_prefill_kernels_attention(kernel_results):
+    for case, result in zip(KERNEL_CASES, kernel_results["plugin"]):
+        assert result["ran"], (case, "the split-KV kernel refused a case it serves")
+        # float32 accumulation in both kernels; the reference is float64 (None: NaN).
+        for key in ("split_vs_reference", "prefill_vs_reference", "split_vs_prefill"):
+            assert result[key] is not None and result[key] < 1e-5, (case, key, result)
+
+
+def test_sglangs_scratch_lets_garbage_through_where_a_split_holds_no_keys(kernel_results):
+    """Why the plugin zeroes the scratch: with NaN in a fresh buffer, SGLang's own class
+    returns NaN wherever a split held no keys (cases 0-2), and is right where every split
+    held keys (case 3)."""
+    sglangs = kernel_results["sglang"]
+    assert [r["split_vs_reference"] is None for r in sglangs] == [True, True, True, False], sglangs
+    assert all(r["prefill_vs_reference"] is not None for r in sglangs)
