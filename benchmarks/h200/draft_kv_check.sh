@@ -18,7 +18,8 @@ DYNAMIC=(--speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --speculative-dynam
   --speculative-disable-batch-threshold 3 --speculative-enable-batch-threshold 2 --speculative-min-dwell-steps 0)
 P=benchmarks/h200/draft_kv_check.py
 RESULTS=$OUT/draft-kv.jsonl
-pack() { stop_server; (cd "$OUT" && tar -cJf draft-kv-logs.tar.xz server_*.log && rm -f server_*.log); }
+# The dumps go back too (kilobytes: the tiny draft's rows of six requests per server).
+pack() { stop_server; (cd "$OUT" && tar -cJf draft-kv-logs.tar.xz server_*.log -C /tmp $(cd /tmp && ls -d kv-* 2> /dev/null) && rm -f server_*.log); }
 on_exit pack
 
 serve() {  # serve NAME [server args...]: one server, the workload, its dumps in $OUT/kv-NAME
