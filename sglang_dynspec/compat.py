@@ -323,7 +323,8 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
     # The target's verify attention through SGLang's split-KV verify kernel (use_split_kv_verify).
     HostSymbols(ModelRunner, ("decode_attn_backend",)),
     HostSymbols(TritonAttnBackend, ("use_verify_splitkv", "enable_deterministic")),
-    HostSymbols(verify_splitkv, ("VerifySplitKV",)),
+    HostSymbols(verify_splitkv, ("VerifySplitKV", "MIN_N_SPLITS", "MAX_N_SPLITS")),
+    HostSymbols(TritonAttnBackend, ("req_to_token_pool", "num_draft_tokens", "num_head", "v_head_dim")),
     HostSymbols(verify_splitkv.VerifySplitKV, ("_alloc", "att_out")),
     HostSymbols(LogitsMetadata, ("forward_mode",)),
     # Step-cost calibration: the synthetic decode batch and the limits of the grid
@@ -454,6 +455,7 @@ class VerifyAttention:
 
     split_kv: bool  # SGLang's split-KV verify kernel on the target's triton backends
     note: str
+    warning: bool = False  # asked for and not used for a reason the operator can change
 
 
 class ZeroedSplitKVScratch(verify_splitkv.VerifySplitKV):
@@ -469,6 +471,32 @@ class ZeroedSplitKVScratch(verify_splitkv.VerifySplitKV):
     def _alloc(self, max_bs):
         super()._alloc(max_bs)
         self.att_out.zero_()
+
+
+# Device memory left free once the split-KV scratch is allocated: the target's and the
+# draft's CUDA graphs and the plain decode graph are captured after it (as for the catch-up
+# buffer, catch_up.CATCH_UP_MEMORY_HEADROOM).
+SPLIT_KV_MEMORY_HEADROOM = 1 << 30
+
+
+def split_kv_scratch_bytes(backend) -> int:
+    """Device memory SGLang's split-KV verify allocates at most for ``backend``: one
+    ``VerifySplitKV`` per split count it picks (powers of two from ``MIN_N_SPLITS`` to
+    ``MAX_N_SPLITS``: graph replays take the largest, eager verifies one by context), each
+    holding fp32 partial outputs and log-sum-exps for every request row of the pool."""
+    splits = sum(
+        1 << i for i in range(16) if verify_splitkv.MIN_N_SPLITS <= 1 << i <= verify_splitkv.MAX_N_SPLITS
+    )
+    draft_rows = 1 << (int(backend.num_draft_tokens) - 1).bit_length()  # triton.next_power_of_2
+    per_split = backend.req_to_token_pool.size * backend.num_head * draft_rows * (backend.v_head_dim + 1) * 4
+    return splits * per_split
+
+
+def free_device_memory(device) -> int | None:
+    """Free bytes on ``device`` (CUDA), None elsewhere."""
+    if torch.device(device).type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(device)[0]
 
 
 def _target_triton_backends(spec_worker) -> list:
@@ -502,6 +530,17 @@ def use_split_kv_verify(spec_worker) -> VerifyAttention:
             f"not used: --speculative-eagle-topk {topk}; the split-KV verify kernel computes a "
             "causal chain, the verify's mask only with --speculative-eagle-topk 1",
         )
+    needed = max(split_kv_scratch_bytes(b) for b in backends)  # one cache, shared by the backends
+    free = free_device_memory(spec_worker.device)
+    scratch = f"{needed / 2**20:.0f} MiB of scratch for {backends[0].req_to_token_pool.size} request rows"
+    if free is not None and needed + SPLIT_KV_MEMORY_HEADROOM > free:
+        return VerifyAttention(
+            False,
+            f"not used: it would take up to {scratch}, and {free / 2**20:.0f} MiB are free after SGLang "
+            f"sized its KV pool ({SPLIT_KV_MEMORY_HEADROOM >> 20} MiB must stay free for the CUDA graphs); "
+            "lower --max-running-requests or --mem-fraction-static to use it",
+            warning=True,
+        )
     # SGLang's cache builds its VerifySplitKV by this module name at the first verify.
     verify_splitkv.VerifySplitKV = ZeroedSplitKVScratch
     for backend in backends:
@@ -512,7 +551,9 @@ def use_split_kv_verify(spec_worker) -> VerifyAttention:
             "set, but --enable-deterministic-inference runs SGLang's deterministic extend kernel "
             "before it, so the verify keeps that kernel",
         )
-    return VerifyAttention(True, "SGLang's split-KV verify kernel (verify_splitkv.py) on the target")
+    return VerifyAttention(
+        True, f"SGLang's split-KV verify kernel (verify_splitkv.py) on the target, up to {scratch}"
+    )
 
 
 def verify_attention_kernel(spec_worker) -> str:

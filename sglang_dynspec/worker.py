@@ -85,9 +85,8 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
             return
         verify = compat.use_split_kv_verify(self)
         if self._first_rank:
-            logger.info(
-                "[sglang-dynspec] target verify attention (%s): %s", config.SPLIT_KV_VERIFY_ENV, verify.note
-            )
+            log = logger.warning if verify.warning else logger.info
+            log("[sglang-dynspec] target verify attention (%s): %s", config.SPLIT_KV_VERIFY_ENV, verify.note)
 
     def init_cuda_graphs(self):
         # The scheduler calls this once the KV pools exist (both SGLang versions, with

@@ -36,12 +36,16 @@ import schedule_batches  # noqa: F401  (sets up the CPU import of SGLang first)
 from sglang_dynspec import compat, config
 
 
-def _triton_backend(deterministic: bool = False):
+def _triton_backend(deterministic: bool = False, rows: int = 129, heads: int = 32, draft_tokens: int = 4):
     """A real ``TritonAttnBackend`` with only the attributes the switch reads (its
-    constructor needs a model runner on a GPU)."""
+    constructor needs a model runner on a GPU); the 8B target's heads by default."""
     backend = object.__new__(compat.TritonAttnBackend)
     backend.use_verify_splitkv = False
     backend.enable_deterministic = deterministic
+    backend.req_to_token_pool = types.SimpleNamespace(size=rows)
+    backend.num_draft_tokens = draft_tokens
+    backend.num_head = heads
+    backend.v_head_dim = 128
     return backend
 
 
@@ -49,7 +53,9 @@ def _worker(attn_backend, decode_backend=None, topk: int = 1):
     runner = types.SimpleNamespace(
         attn_backend=attn_backend, decode_attn_backend=decode_backend or attn_backend
     )
-    return types.SimpleNamespace(target_worker=types.SimpleNamespace(model_runner=runner), topk=topk)
+    return types.SimpleNamespace(
+        target_worker=types.SimpleNamespace(model_runner=runner), topk=topk, device="cpu"
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -83,6 +89,35 @@ def test_another_attention_backend_is_left_alone():
     assert not verify.split_kv and other.use_verify_splitkv is False
     assert "--attention-backend triton" in verify.note and "SimpleNamespace" in verify.note
     assert compat.verify_attention_kernel(_worker(other)) == "sglang"
+
+
+@pytest.mark.parametrize("rows, heads, draft_tokens", [(129, 32, 4), (17, 8, 5), (3, 2, 2)])
+def test_the_scratch_estimate_is_what_sglang_allocates_at_every_split_count(rows, heads, draft_tokens):
+    backend = _triton_backend(rows=rows, heads=heads, draft_tokens=draft_tokens)
+    allocated = 0
+    n = compat.verify_splitkv.MIN_N_SPLITS
+    while n <= compat.verify_splitkv.MAX_N_SPLITS:  # every count choose_n_splits can pick
+        scratch = compat.verify_splitkv.VerifySplitKV(
+            rows, heads, 1, 128, 128, draft_tokens, device="cpu", n_splits=n
+        )
+        allocated += scratch.att_out.nbytes + scratch.att_lse.nbytes
+        n *= 2
+    assert compat.split_kv_scratch_bytes(backend) == allocated
+
+
+def test_a_scratch_that_does_not_fit_keeps_sglangs_kernel_with_a_warning(monkeypatch):
+    backend = _triton_backend(rows=4097)
+    needed = compat.split_kv_scratch_bytes(backend)
+    monkeypatch.setattr(
+        compat, "free_device_memory", lambda device: needed + compat.SPLIT_KV_MEMORY_HEADROOM - 1
+    )
+    verify = compat.use_split_kv_verify(_worker(backend))
+    assert not verify.split_kv and verify.warning and not backend.use_verify_splitkv
+    assert "4097 request rows" in verify.note and "--max-running-requests" in verify.note
+    assert compat.verify_splitkv.VerifySplitKV is not compat.ZeroedSplitKVScratch
+    monkeypatch.setattr(compat, "free_device_memory", lambda device: needed + compat.SPLIT_KV_MEMORY_HEADROOM)
+    verify = compat.use_split_kv_verify(_worker(backend))
+    assert verify.split_kv and not verify.warning and f"{needed / 2**20:.0f} MiB of scratch" in verify.note
 
 
 def test_deterministic_inference_is_named_as_what_keeps_the_old_kernel():
