@@ -465,7 +465,8 @@ class ZeroedSplitKVScratch(verify_splitkv.VerifySplitKV):
     that held no keys by 0; their rows are never written, so a fresh ``torch.empty``
     buffer holding a NaN or an infinity would reach the attention output (NaN x 0).
     Once zeroed, every value in the buffer is finite: written splits store a finite
-    mean. (On the CPU this turned 2 of 4 shapes' outputs into NaN; tests/test_split_kv_verify.py.)
+    mean. (With NaN in a fresh buffer, 3 of the 4 shapes of tests/test_split_kv_verify.py
+    came out NaN on the CPU.)
     """
 
     def _alloc(self, max_bs):
@@ -505,7 +506,7 @@ def _target_triton_backends(spec_worker) -> list:
     return [b for b in backends.values() if isinstance(b, TritonAttnBackend)]
 
 
-def use_split_kv_verify(spec_worker) -> VerifyAttention:
+def use_split_kv_verify(spec_worker, gather: Callable[[Any], list] | None = None) -> VerifyAttention:
     """Route the target's TARGET_VERIFY attention through SGLang's split-KV verify kernel
     (``TritonAttnBackend.use_verify_splitkv``, which SGLang sets only on AMD gfx95).
 
@@ -514,7 +515,12 @@ def use_split_kv_verify(spec_worker) -> VerifyAttention:
     the kernel it captured. The kernel computes causal attention over the prefix and
     the draft tokens, which is the verify's tree mask only for a chain
     (``--speculative-eagle-topk 1``); per call it falls back to the prefill kernel for
-    what it cannot serve (sliding window, sinks, logit cap, ragged drafts)."""
+    what it cannot serve (sliding window, sinks, logit cap, ragged drafts).
+
+    Every tensor-parallel rank calls it at the same point: whether the scratch fits is
+    agreed through ``gather`` (default: an all-gather over the TP group), so all ranks
+    run the same kernel."""
+    gather = gather or gather_across_tensor_parallel_ranks
     runner = spec_worker.target_worker.model_runner
     backends = _target_triton_backends(spec_worker)
     if not backends:
@@ -533,12 +539,15 @@ def use_split_kv_verify(spec_worker) -> VerifyAttention:
     needed = max(split_kv_scratch_bytes(b) for b in backends)  # one cache, shared by the backends
     free = free_device_memory(spec_worker.device)
     scratch = f"{needed / 2**20:.0f} MiB of scratch for {backends[0].req_to_token_pool.size} request rows"
-    if free is not None and needed + SPLIT_KV_MEMORY_HEADROOM > free:
+    fits = free is None or needed + SPLIT_KV_MEMORY_HEADROOM <= free
+    if not all(gather(fits)):
+        here = f"{free / 2**20:.0f} MiB are free here" if free is not None else "it fits here"
         return VerifyAttention(
             False,
-            f"not used: it would take up to {scratch}, and {free / 2**20:.0f} MiB are free after SGLang "
-            f"sized its KV pool ({SPLIT_KV_MEMORY_HEADROOM >> 20} MiB must stay free for the CUDA graphs); "
-            "lower --max-running-requests or --mem-fraction-static to use it",
+            f"not used: it would take up to {scratch} on each tensor-parallel rank, and on at least one "
+            f"rank that does not fit with {SPLIT_KV_MEMORY_HEADROOM >> 20} MiB to spare for the CUDA graphs "
+            f"once SGLang sized its KV pool ({here}); lower --max-running-requests or --mem-fraction-static "
+            "to use it",
             warning=True,
         )
     # SGLang's cache builds its VerifySplitKV by this module name at the first verify.

@@ -58,6 +58,10 @@ def _worker(attn_backend, decode_backend=None, topk: int = 1):
     )
 
 
+def _one_rank(fits):  # the agreement of a single tensor-parallel rank
+    return [fits]
+
+
 @pytest.fixture(autouse=True)
 def _keep_sglangs_scratch_class(monkeypatch):
     # The switch installs the plugin's scratch class in SGLang's module; undo it after each test.
@@ -68,7 +72,7 @@ def test_the_switch_sets_sglangs_flag_on_every_triton_backend_of_the_target():
     prefill, decode = _triton_backend(), _triton_backend()
     worker = _worker(prefill, decode)
     assert compat.verify_attention_kernel(worker) == "sglang"
-    verify = compat.use_split_kv_verify(worker)
+    verify = compat.use_split_kv_verify(worker, gather=_one_rank)
     assert verify.split_kv and "split-KV" in verify.note
     assert prefill.use_verify_splitkv and decode.use_verify_splitkv
     assert compat.verify_splitkv.VerifySplitKV is compat.ZeroedSplitKVScratch
@@ -78,14 +82,14 @@ def test_the_switch_sets_sglangs_flag_on_every_triton_backend_of_the_target():
 @pytest.mark.parametrize("topk", [2, 4])
 def test_a_tree_keeps_sglangs_kernel(topk):
     backend = _triton_backend()
-    verify = compat.use_split_kv_verify(_worker(backend, topk=topk))
+    verify = compat.use_split_kv_verify(_worker(backend, topk=topk), gather=_one_rank)
     assert not verify.split_kv and not backend.use_verify_splitkv
     assert f"--speculative-eagle-topk {topk}" in verify.note
 
 
 def test_another_attention_backend_is_left_alone():
     other = types.SimpleNamespace(use_verify_splitkv=False)
-    verify = compat.use_split_kv_verify(_worker(other))
+    verify = compat.use_split_kv_verify(_worker(other), gather=_one_rank)
     assert not verify.split_kv and other.use_verify_splitkv is False
     assert "--attention-backend triton" in verify.note and "SimpleNamespace" in verify.note
     assert compat.verify_attention_kernel(_worker(other)) == "sglang"
@@ -111,18 +115,27 @@ def test_a_scratch_that_does_not_fit_keeps_sglangs_kernel_with_a_warning(monkeyp
     monkeypatch.setattr(
         compat, "free_device_memory", lambda device: needed + compat.SPLIT_KV_MEMORY_HEADROOM - 1
     )
-    verify = compat.use_split_kv_verify(_worker(backend))
+    verify = compat.use_split_kv_verify(_worker(backend), gather=_one_rank)
     assert not verify.split_kv and verify.warning and not backend.use_verify_splitkv
     assert "4097 request rows" in verify.note and "--max-running-requests" in verify.note
     assert compat.verify_splitkv.VerifySplitKV is not compat.ZeroedSplitKVScratch
     monkeypatch.setattr(compat, "free_device_memory", lambda device: needed + compat.SPLIT_KV_MEMORY_HEADROOM)
-    verify = compat.use_split_kv_verify(_worker(backend))
+    verify = compat.use_split_kv_verify(_worker(backend), gather=_one_rank)
     assert verify.split_kv and not verify.warning and f"{needed / 2**20:.0f} MiB of scratch" in verify.note
+
+
+@pytest.mark.parametrize("other_rank_fits", [True, False])
+def test_every_tensor_parallel_rank_runs_the_same_kernel(other_rank_fits):
+    """The scratch fits on this rank; the other rank's answer decides for both."""
+    backend = _triton_backend()
+    verify = compat.use_split_kv_verify(_worker(backend), gather=lambda fits: [fits, other_rank_fits])
+    assert verify.split_kv is other_rank_fits and backend.use_verify_splitkv is other_rank_fits
+    assert verify.warning is not other_rank_fits
 
 
 def test_deterministic_inference_is_named_as_what_keeps_the_old_kernel():
     backend = _triton_backend(deterministic=True)
-    verify = compat.use_split_kv_verify(_worker(backend))
+    verify = compat.use_split_kv_verify(_worker(backend), gather=_one_rank)
     assert backend.use_verify_splitkv
     assert "--enable-deterministic-inference" in verify.note
 
