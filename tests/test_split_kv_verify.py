@@ -14,9 +14,16 @@
   index buffer of a captured CUDA graph, longer than the batch's prefixes (the kernel
   derives its split count from that buffer's length).
 
-The end-to-end check that the hook runs in the scheduler's order is in
-``test_e2e_dynamic.py`` (its start-up line); the kernel's speed and its numerics at
-the 8B shape in bf16 are the H200's (``benchmarks/h200/splitkv_check.py``).
+* A real server: EAGLE3_DYNAMIC with the switch on SGLang's triton attention backend,
+  every triton kernel run by Triton's interpreter on the CPU, serves the
+  non-speculative server's greedy tokens (same backend) through plain and speculative
+  steps with the agreeing pair (every draft accepted, so the verify's attention decides
+  four tokens per step), the split-KV kernel ran (the test bed logs its first call),
+  and no KV slot is left.
+
+The hook's start-up line under the CPU's usual attention backend is asserted in
+``test_e2e_dynamic.py``; the kernel's speed and its numerics at the 8B shape in bf16
+are the H200's (``benchmarks/h200/splitkv_check.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +40,16 @@ from pathlib import Path
 import pytest
 import schedule_batches  # noqa: F401  (sets up the CPU import of SGLang first)
 
+from dynspec_testbed.plugin import SPLIT_KV_LOG_ENV, SPLIT_KV_RAN
+from dynspec_testbed.server import (
+    CI_ENV,
+    CpuServer,
+    assert_no_kv_left,
+    baseline_server_args,
+    dynamic_server_args,
+    serve,
+)
+from dynspec_testbed.workload import compare_outputs, plugin_counters, run_waves, waves_of
 from sglang_dynspec import compat, config
 
 
@@ -301,3 +318,34 @@ def test_sglangs_scratch_lets_garbage_through_where_a_split_holds_no_keys(kernel
     sglangs = kernel_results["sglang"]
     assert [r["split_vs_reference"] is None for r in sglangs] == [True, True, True, False], sglangs
     assert all(r["prefill_vs_reference"] is not None for r in sglangs)
+
+
+# A wave of 3 (plain: above the threshold of 2), then one request alone (speculative).
+SERVED_WAVES = waves_of([3, 1], seed=31, prefix="splitkv", new_tokens=(12, 20))
+TRITON_ON_THE_CPU = ["--attention-backend", "triton", "--enable-metrics"]
+
+
+@pytest.mark.server
+def test_a_server_with_the_split_kv_verify_serves_the_non_speculative_tokens(tiny_models, tmp_path):
+    interpreted = {**CI_ENV, "TRITON_INTERPRET": "1"}
+    reference = serve(
+        baseline_server_args(tiny_models, "agree", extra=TRITON_ON_THE_CPU),
+        lambda url: run_waves(url, SERVED_WAVES),
+        log_path=tmp_path / "reference.log",
+        env=interpreted,
+    )
+    args = dynamic_server_args(tiny_models, "agree", disable_above=2, extra=TRITON_ON_THE_CPU)
+    log = tmp_path / "dynamic.log"
+    env = {**interpreted, config.SPLIT_KV_VERIFY_ENV: "1", SPLIT_KV_LOG_ENV: "1"}
+    with CpuServer(args, log_path=log, env=env) as server:
+        got = run_waves(server.url, SERVED_WAVES)
+        counters = plugin_counters(server.url)
+        assert_no_kv_left(server.url)
+    assert compare_outputs(reference, got) == []
+    assert counters.steps_spec > 0 and counters.steps_plain > 0, counters
+    text = log.read_text()
+    assert (
+        "(SGLANG_DYNSPEC_SPLIT_KV_VERIFY): SGLang's split-KV verify kernel (verify_splitkv.py) on the target"
+        in text
+    )
+    assert SPLIT_KV_RAN in text

@@ -17,6 +17,11 @@ Environment variables (booleans read with ``sglang_dynspec.config.env_bool``:
     ``SGLANG_DYNSPEC_TESTBED_HOST_READS=<file>``
         Counts the tensor reads to the host made by the plugin's own code during
         its steps (``host_reads.py``), for the no-host-sync test.
+    ``SGLANG_DYNSPEC_TESTBED_SPLIT_KV_LOG=1``
+        Logs once per process when SGLang's split-KV verify kernel runs
+        (``verify_splitkv.VerifySplitKV.__call__``; the plugin's zeroed-scratch class
+        inherits it), so a test can tell that kernel from the prefill kernel it
+        replaces, which gives the same tokens.
     ``SGLANG_DYNSPEC_TESTBED_OVERLAP=1``
         Runs EAGLE-family speculative decoding (EAGLE, EAGLE3 and plugin
         algorithms whose spec class answers ``is_eagle()``, e.g. EAGLE3_DYNAMIC)
@@ -58,6 +63,8 @@ logger = logging.getLogger(__name__)
 
 TESTBED_ENV = "SGLANG_DYNSPEC_TESTBED"
 OVERLAP_ENV = "SGLANG_DYNSPEC_TESTBED_OVERLAP"
+SPLIT_KV_LOG_ENV = "SGLANG_DYNSPEC_TESTBED_SPLIT_KV_LOG"
+SPLIT_KV_RAN = "sglang_dynspec test bed: split-KV verify kernel ran"
 
 GATHER_SPEC_EXTRAS = "sglang.kernels.ops.speculative.gather_spec_extras.gather_spec_extras"
 CPU_OVERLAP_RULE = "sglang.srt.arg_groups.speculative_hook._disable_overlap_schedule_for_cpu"
@@ -82,6 +89,8 @@ def register() -> None:
         draft_kv.register_hooks()
     if os.environ.get(host_reads.HOST_READS_ENV):
         host_reads.install_from_environ()
+    if env_bool(SPLIT_KV_LOG_ENV, False):
+        _log_split_kv_calls()
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(INIT_GROUP, _groups_without_pynccl, HookType.AROUND)
@@ -89,6 +98,22 @@ def register() -> None:
         HookRegistry.register(GATHER_SPEC_EXTRAS, gather_spec_extras_torch, HookType.REPLACE)
         HookRegistry.register(CPU_OVERLAP_RULE, _keep_overlap_for_eagle_family, HookType.AROUND)
     _registered = True
+
+
+def _log_split_kv_calls() -> None:
+    from sglang.kernels.ops.attention import verify_splitkv
+
+    call = verify_splitkv.VerifySplitKV.__call__
+    logged = False
+
+    def logging_call(self, *args, **kwargs):
+        nonlocal logged
+        if not logged:
+            logged = True
+            logger.info("%s (pid %d)", SPLIT_KV_RAN, os.getpid())
+        return call(self, *args, **kwargs)
+
+    verify_splitkv.VerifySplitKV.__call__ = logging_call
 
 
 def _groups_without_pynccl(original, group_ranks, local_rank, backend, use_pynccl=None, *args, **kwargs):
