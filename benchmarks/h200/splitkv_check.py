@@ -75,8 +75,8 @@ def point(bs: int, prefix: int) -> dict:
     scale = D**-0.5
     split, graph_split, prefill = (torch.empty_like(q) for _ in range(3))
 
-    def run_split(out, indices):
-        return lambda: verify_splitkv.verify_splitkv_fwd(
+    def kernel_args(out, indices):  # the two kernels take the same positional arguments
+        return (
             q,
             k,
             v,
@@ -93,28 +93,13 @@ def point(bs: int, prefix: int) -> dict:
             1.0,
             1.0,
             scale,
-            max_bs=128,
         )
 
+    def run_split(out, indices):
+        return lambda: verify_splitkv.verify_splitkv_fwd(*kernel_args(out, indices), max_bs=128)
+
     def run_prefill():
-        extend_attention_fwd(
-            q,
-            k,
-            v,
-            prefill,
-            kb,
-            vb,
-            qo_indptr,
-            kv_indptr,
-            kv_indices,
-            mask,
-            True,
-            mask_indptr,
-            DRAFT,
-            1.0,
-            1.0,
-            scale,
-        )
+        extend_attention_fwd(*kernel_args(prefill, kv_indices))
 
     assert run_split(split, kv_indices)() and run_split(graph_split, graph_indices)()
     run_prefill()
