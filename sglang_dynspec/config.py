@@ -209,8 +209,10 @@ FLUSH_STREAM_ENV = "SGLANG_DYNSPEC_FLUSH_STREAM"
 # SGLang switches it on only on AMD gfx95 (TritonAttnBackend.use_verify_splitkv); the
 # plugin sets it with the triton backend and --speculative-eagle-topk 1 (compat.use_split_kv_verify).
 # On the H200 the prefill kernel was 64-89% of a speculative step (16.5 of 25.8 ms at
-# C=64; benchmarks/results/h200-20261204b-2364f20/README.md). Off until a device call
-# has measured the kernel there.
+# C=64; benchmarks/results/h200-20261204b-2364f20/README.md); the split-KV kernel's bf16
+# error equals the prefill kernel's and the step is 13.9 instead of 23.6 ms there
+# (benchmarks/results/h200-20261204c-8c5c7b8/README.md), hence on by default; 0 keeps
+# SGLang's kernel (an A/B, or a GPU where it measures slower).
 SPLIT_KV_VERIFY_ENV = "SGLANG_DYNSPEC_SPLIT_KV_VERIFY"
 # Where the start-up step-cost tables are cached (cost_cache); "off" disables the cache.
 COST_CACHE_ENV = "SGLANG_DYNSPEC_COST_CACHE"
@@ -436,7 +438,7 @@ def settings_from_environ(environ: Mapping[str, str] = os.environ) -> Settings:
         flush_tokens=flush_tokens_from_environ(environ),
         eager_draft_tokens=eager_draft_tokens_from_environ(environ),
         flush_stream=env_bool(FLUSH_STREAM_ENV, False, environ),
-        split_kv_verify=env_bool(SPLIT_KV_VERIFY_ENV, False, environ),
+        split_kv_verify=env_bool(SPLIT_KV_VERIFY_ENV, True, environ),
         penalties=penalties_from_environ(environ),
         plain_cuda_graph=env_bool(PLAIN_CUDA_GRAPH_ENV, True, environ),
         request_modes=env_bool(REQUEST_MODES_ENV, False, environ),

@@ -168,9 +168,9 @@ def test_the_installed_backend_routes_the_verify_by_that_flag():
 
 
 @pytest.mark.parametrize(
-    "raw, expected", [(None, False), ("", False), ("1", True), ("0", False), ("on", True)]
+    "raw, expected", [(None, True), ("", True), ("1", True), ("0", False), ("off", False)]
 )
-def test_the_split_kv_verify_is_off_by_default(raw, expected):
+def test_the_split_kv_verify_is_on_by_default(raw, expected):
     environ = {} if raw is None else {config.SPLIT_KV_VERIFY_ENV: raw}
     assert config.settings_from_environ(environ).split_kv_verify is expected
 

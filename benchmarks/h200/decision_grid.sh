@@ -42,8 +42,9 @@ server_args() {
     baseline) echo --enable-metrics ;;
     eagle3) echo --speculative-algorithm EAGLE3 "${SPEC[@]}" --enable-metrics ;;
     dynamic) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
-    # The same with the target's verify attention through SGLang's split-KV kernel (issue 20).
-    dynamic-splitkv) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
+    # The target's verify attention through SGLang's split-KV kernel (issue 20; the default
+    # since the commit after 8c5c7b8, named for results measured before) or its prefill kernel.
+    dynamic-splitkv | dynamic-prefill-verify) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
   esac
 }
 
@@ -51,7 +52,11 @@ jsonl() { python3 -c "import json,sys; print(json.dumps(dict(a.split('=',1) for 
 
 for cfg in ${CONFIGS:-baseline eagle3 dynamic}; do
   t0=$SECONDS
-  if [ "$cfg" = dynamic-splitkv ]; then export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=1; else unset SGLANG_DYNSPEC_SPLIT_KV_VERIFY; fi
+  case $cfg in
+    dynamic-splitkv) export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=1 ;;
+    dynamic-prefill-verify) export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=0 ;;
+    *) unset SGLANG_DYNSPEC_SPLIT_KV_VERIFY ;;
+  esac
   # shellcheck disable=SC2046
   if start_server "$cfg" $(server_args "$cfg") --log-level info; then
     jsonl kind=server_start "config=$cfg" "row=$ROW" "start_s=$((SECONDS - t0))" up=true

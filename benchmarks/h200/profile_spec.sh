@@ -33,20 +33,24 @@ server_args() {
     dynamic) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
     # EAGLE3_DYNAMIC held speculative at every batch size (a threshold above any batch), with
     # the target's verify attention through SGLang's split-KV kernel (SGLANG_DYNSPEC_SPLIT_KV_VERIFY,
-    # exported below): the speculative step with the verify's attention at a decode's cost.
-    spec-splitkv) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics \
+    # exported below; the default since the commit after 8c5c7b8) or its prefill kernel.
+    spec-splitkv | spec-prefill-verify) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics \
       --speculative-dynamic-policy threshold --speculative-disable-batch-threshold 4096 --log-level info ;;
     # Issue 20 §2, the attention backend: flashinfer for both servers (lib.sh's triton is
     # overridden: the last --attention-backend wins).
     baseline-fi) echo --enable-metrics --attention-backend flashinfer ;;
     eagle3-fi) echo --speculative-algorithm EAGLE3 "${SPEC[@]}" --enable-metrics --attention-backend flashinfer ;;
-    *) echo "unknown config $1 (baseline, eagle3, dynamic, spec-splitkv, baseline-fi, eagle3-fi)" >&2; return 1 ;;
+    *) echo "unknown config $1 (baseline, eagle3, dynamic, spec-splitkv, spec-prefill-verify, baseline-fi, eagle3-fi)" >&2; return 1 ;;
   esac
 }
 
 for cfg in ${CONFIGS:-baseline eagle3}; do
   args=$(server_args "$cfg") || continue
-  if [ "$cfg" = spec-splitkv ]; then export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=1; else unset SGLANG_DYNSPEC_SPLIT_KV_VERIFY; fi
+  case $cfg in
+    spec-splitkv) export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=1 ;;
+    spec-prefill-verify) export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=0 ;;
+    *) unset SGLANG_DYNSPEC_SPLIT_KV_VERIFY ;;
+  esac
   # shellcheck disable=SC2086  # the server's flags, word-split on purpose
   start_server "$cfg" $args || continue
   for point in ${POINTS:-16:256 64:256 128:256 64:1024}; do
