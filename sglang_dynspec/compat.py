@@ -22,7 +22,9 @@ CPU). Where the two differ, the difference is detected once, from the installed 
   layout on 0.5.23 and a draft-worker method taking the TP group on 0.5.17;
 * some ``ScheduleBatch`` fields exist only in some versions (``OPTIONAL_BATCH_FIELDS``;
   e.g. ``can_run_decode_cuda_graph`` is 0.5.23's, found missing on 0.5.17 by the
-  start-up check).
+  start-up check);
+* the grouped-head verify kernel (``verify_mla.py``) ships with 0.5.23 only: on 0.5.17
+  :data:`grouped_verify` is the plugin's copy of it (``verify_grouped_kernel``).
 
 No CUDA graph capture, no result shaping and no timers here (``plain_graph``,
 ``plain_step``, ``device_timer``).
@@ -75,6 +77,11 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
 from sglang_dynspec.device_timer import to_device
+
+try:  # the grouped-head verify kernel: SGLang's where it ships one (0.5.23), else the plugin's copy
+    from sglang.kernels.ops.attention import verify_mla as grouped_verify
+except ImportError:  # SGLang 0.5.17
+    from sglang_dynspec import verify_grouped_kernel as grouped_verify
 
 SGLANG_VERSION: str = getattr(sglang, "__version__", "unknown")
 
@@ -322,10 +329,14 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
     HostSymbols(ModelRunner, ("prefill_cuda_graph_runner",)),
     # The target's verify attention through SGLang's split-KV verify kernel (use_split_kv_verify).
     HostSymbols(ModelRunner, ("decode_attn_backend",)),
-    HostSymbols(TritonAttnBackend, ("use_verify_splitkv", "enable_deterministic")),
+    HostSymbols(TritonAttnBackend, ("use_verify_splitkv", "enable_deterministic", "use_mla")),
     HostSymbols(verify_splitkv, ("VerifySplitKV", "MIN_N_SPLITS", "MAX_N_SPLITS")),
     HostSymbols(TritonAttnBackend, ("req_to_token_pool", "num_draft_tokens", "num_head", "v_head_dim")),
     HostSymbols(verify_splitkv.VerifySplitKV, ("_alloc", "att_out")),
+    # ... and the grouped-head kernel first, in the slot the backend calls (GroupedThenPerHead).
+    HostSymbols(TritonAttnBackend, ("verify_splitkv_fwd", "num_kv_head")),
+    HostSymbols(grouped_verify, ("verify_shared_kv_fwd", "VerifyMLA", "MAX_N_SPLITS", "block_config")),
+    HostSymbols(grouped_verify.VerifyMLA, ("_alloc", "att_out")),
     HostSymbols(LogitsMetadata, ("forward_mode",)),
     # Step-cost calibration: the synthetic decode batch and the limits of the grid
     # (synthetic_decode_batch, synthetic_batch_limits, decode_graph_batch_sizes).
@@ -453,7 +464,7 @@ def keep_draft_graphs_on_recapture(spec_worker) -> int:
 class VerifyAttention:
     """Which kernel the target's verify attention runs, and why (the start-up log)."""
 
-    split_kv: bool  # SGLang's split-KV verify kernel on the target's triton backends
+    split_kv: bool  # a split-KV verify kernel on the target's triton backends
     note: str
     warning: bool = False  # asked for and not used for a reason the operator can change
 
@@ -474,23 +485,77 @@ class ZeroedSplitKVScratch(verify_splitkv.VerifySplitKV):
         self.att_out.zero_()
 
 
+def with_float32_partials(verify_class: type) -> type:
+    """``verify_class`` (a grouped-head verify, ``VerifyMLA``) with each split's partial
+    output kept in float32, as the per-head kernel keeps it (SGLang's grouped kernel
+    stores bf16 to halve the scratch's traffic). In bf16 the partials are rounded once
+    more before the output is, which put the output further from a float32 reference
+    than the prefill kernel's (tests/test_split_kv_verify.py measures both). Only splits
+    that held keys are read back, so the buffer needs no zeroing."""
+
+    class Float32Partials(verify_class):
+        def _alloc(self, max_bs):
+            super()._alloc(max_bs)
+            self.att_out = torch.empty_like(self.att_out, dtype=torch.float32)
+
+    Float32Partials.__name__ = Float32Partials.__qualname__ = f"Float32Partials{verify_class.__name__}"
+    return Float32Partials
+
+
+Float32PartialsGroupedVerify = with_float32_partials(grouped_verify.VerifyMLA)
+
+
+class GroupedThenPerHead:
+    """A target triton backend's ``verify_splitkv_fwd``: the grouped-head kernel
+    (``grouped_verify.verify_shared_kv_fwd``) where it serves the verify's shape, else
+    SGLang's per-head split-KV kernel, which falls back to the prefill kernel for what it
+    cannot serve. Each returns False, without writing, for a shape it declines, which is
+    what the backend's call site expects of this slot."""
+
+    def __init__(self, per_head: Callable[..., bool]):
+        self.per_head = per_head
+        self.grouped = torch.compiler.disable(grouped_verify.verify_shared_kv_fwd)
+
+    def __call__(self, *args, **kwargs) -> bool:
+        return self.grouped(*args, **kwargs) or self.per_head(*args, **kwargs)
+
+
 # Device memory left free once the split-KV scratch is allocated: the target's and the
 # draft's CUDA graphs and the plain decode graph are captured after it (as for the catch-up
 # buffer, catch_up.CATCH_UP_MEMORY_HEADROOM).
 SPLIT_KV_MEMORY_HEADROOM = 1 << 30
 
 
-def split_kv_scratch_bytes(backend) -> int:
-    """Device memory SGLang's split-KV verify allocates at most for ``backend``: one
-    ``VerifySplitKV`` per split count it picks (powers of two from ``MIN_N_SPLITS`` to
-    ``MAX_N_SPLITS``: graph replays take the largest, eager verifies one by context), each
-    holding fp32 partial outputs and log-sum-exps for every request row of the pool."""
+def _next_power_of_2(n: int) -> int:  # triton.next_power_of_2
+    return 1 << (int(n) - 1).bit_length()
+
+
+def split_kv_scratch_bytes(backend, grouped: bool = False) -> int:
+    """Device memory the split-KV verify allocates at most for ``backend``.
+
+    SGLang's per-head kernel: one ``VerifySplitKV`` per split count it picks (powers of
+    two from ``MIN_N_SPLITS`` to ``MAX_N_SPLITS``: graph replays take the largest, eager
+    verifies one by context), each holding fp32 partial outputs and log-sum-exps for every
+    request row of the pool. With ``grouped``, also the grouped-head kernel's one
+    ``Float32PartialsGroupedVerify``: ``MAX_N_SPLITS`` fp32 partials per request row and
+    query head, its draft rows padded as ``VerifyMLA`` pads them (a head block times the
+    padded draft length covers at least 16 rows, for ``tl.dot``)."""
     splits = sum(
         1 << i for i in range(16) if verify_splitkv.MIN_N_SPLITS <= 1 << i <= verify_splitkv.MAX_N_SPLITS
     )
-    draft_rows = 1 << (int(backend.num_draft_tokens) - 1).bit_length()  # triton.next_power_of_2
-    per_split = backend.req_to_token_pool.size * backend.num_head * draft_rows * (backend.v_head_dim + 1) * 4
-    return splits * per_split
+    rows, heads, dv = backend.req_to_token_pool.size, backend.num_head, backend.v_head_dim
+    draft_rows = _next_power_of_2(backend.num_draft_tokens)
+    total = splits * rows * heads * draft_rows * (dv + 1) * 4
+    if grouped:
+        # The head block as grouped_verify._get_vmla picks it (by head dimension; a
+        # smaller group of query heads per KV head shrinks it to the group).
+        block_h = grouped_verify.block_config(dv)[0]
+        group = heads // backend.num_kv_head
+        if group < heads and group % block_h:
+            block_h = group
+        padded = max(_next_power_of_2(-(-16 // block_h)), draft_rows)
+        total += rows * heads * grouped_verify.MAX_N_SPLITS * padded * (dv + 1) * 4
+    return total
 
 
 def free_device_memory(device) -> int | None:
@@ -506,16 +571,22 @@ def _target_triton_backends(spec_worker) -> list:
     return [b for b in backends.values() if isinstance(b, TritonAttnBackend)]
 
 
-def use_split_kv_verify(spec_worker, gather: Callable[[Any], list] | None = None) -> VerifyAttention:
+def use_split_kv_verify(
+    spec_worker, gather: Callable[[Any], list] | None = None, grouped: bool = False
+) -> VerifyAttention:
     """Route the target's TARGET_VERIFY attention through SGLang's split-KV verify kernel
-    (``TritonAttnBackend.use_verify_splitkv``, which SGLang sets only on AMD gfx95).
+    (``TritonAttnBackend.use_verify_splitkv``, which SGLang sets only on AMD gfx95), and
+    with ``grouped`` through the grouped-head kernel first (:class:`GroupedThenPerHead`
+    in the backend's ``verify_splitkv_fwd`` slot).
 
     Call after the target's attention backends exist and before its CUDA graphs are
     captured (``EAGLEWorkerV2.init_attention_backends``): a captured verify graph keeps
-    the kernel it captured. The kernel computes causal attention over the prefix and
+    the kernel it captured. Both kernels compute causal attention over the prefix and
     the draft tokens, which is the verify's tree mask only for a chain
-    (``--speculative-eagle-topk 1``); per call it falls back to the prefill kernel for
-    what it cannot serve (sliding window, sinks, logit cap, ragged drafts).
+    (``--speculative-eagle-topk 1``); per call they fall back to the prefill kernel for
+    what they cannot serve (sliding window, sinks, logit cap, ragged drafts). Not for
+    MLA targets: SGLang 0.5.17's per-head kernel has no check for their shape (0.5.23
+    added one: it faulted on the GPU).
 
     Every tensor-parallel rank calls it at the same point: whether the scratch fits is
     agreed through ``gather`` (default: an all-gather over the TP group), so all ranks
@@ -536,7 +607,14 @@ def use_split_kv_verify(spec_worker, gather: Callable[[Any], list] | None = None
             f"not used: --speculative-eagle-topk {topk}; the split-KV verify kernel computes a "
             "causal chain, the verify's mask only with --speculative-eagle-topk 1",
         )
-    needed = max(split_kv_scratch_bytes(b) for b in backends)  # one cache, shared by the backends
+    if any(backend.use_mla for backend in backends):
+        return VerifyAttention(
+            False,
+            "not used: the target uses multi-head latent attention (MLA), whose cache layout the "
+            "split-KV verify kernel is not built for",
+        )
+    # One cache per kernel module, shared by the backends.
+    needed = max(split_kv_scratch_bytes(b, grouped) for b in backends)
     free = free_device_memory(spec_worker.device)
     scratch = f"{needed / 2**20:.0f} MiB of scratch for {backends[0].req_to_token_pool.size} request rows"
     fits = free is None or needed + SPLIT_KV_MEMORY_HEADROOM <= free
@@ -550,26 +628,39 @@ def use_split_kv_verify(spec_worker, gather: Callable[[Any], list] | None = None
             "to use it",
             warning=True,
         )
-    # SGLang's cache builds its VerifySplitKV by this module name at the first verify.
+    # SGLang's caches build their kernel objects by these module names at the first verify.
     verify_splitkv.VerifySplitKV = ZeroedSplitKVScratch
+    if grouped:
+        grouped_verify.VerifyMLA = Float32PartialsGroupedVerify
     for backend in backends:
         backend.use_verify_splitkv = True
+        if grouped and not isinstance(backend.verify_splitkv_fwd, GroupedThenPerHead):
+            backend.verify_splitkv_fwd = GroupedThenPerHead(backend.verify_splitkv_fwd)
     if any(backend.enable_deterministic for backend in backends):
         return VerifyAttention(
             True,
             "set, but --enable-deterministic-inference runs SGLang's deterministic extend kernel "
             "before it, so the verify keeps that kernel",
         )
-    return VerifyAttention(
-        True, f"SGLang's split-KV verify kernel (verify_splitkv.py) on the target, up to {scratch}"
+    kernel = (
+        "the grouped-head verify kernel (a KV head's keys read once for its query heads), SGLang's "
+        "per-head split-KV kernel (verify_splitkv.py) for the shapes it declines,"
+        if grouped
+        else "SGLang's split-KV verify kernel (verify_splitkv.py)"
     )
+    return VerifyAttention(True, f"{kernel} on the target, up to {scratch}")
 
 
 def verify_attention_kernel(spec_worker) -> str:
-    """``"split-kv"`` if the target's verify runs SGLang's split-KV kernel, else ``"sglang"``
-    (its default); part of the step-cost cache key: the kernel sets a speculative step's cost."""
-    backends = _target_triton_backends(spec_worker)
-    return "split-kv" if any(b.use_verify_splitkv for b in backends) else "sglang"
+    """``"grouped-split-kv"`` or ``"split-kv"`` if the target's verify runs a split-KV
+    kernel, else ``"sglang"`` (its default); part of the step-cost cache key: the kernel
+    sets a speculative step's cost."""
+    backends = [b for b in _target_triton_backends(spec_worker) if b.use_verify_splitkv]
+    if not backends:
+        return "sglang"
+    if any(isinstance(b.verify_splitkv_fwd, GroupedThenPerHead) for b in backends):
+        return "grouped-split-kv"
+    return "split-kv"
 
 
 def _recapture_if_owning_decode_graph(runner, recapture: Callable[[], None]) -> Callable[[], None]:

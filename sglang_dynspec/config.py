@@ -214,6 +214,15 @@ FLUSH_STREAM_ENV = "SGLANG_DYNSPEC_FLUSH_STREAM"
 # (benchmarks/results/h200-20261204c-8c5c7b8/README.md), hence on by default; 0 keeps
 # SGLang's kernel (an A/B, or a GPU where it measures slower).
 SPLIT_KV_VERIFY_ENV = "SGLANG_DYNSPEC_SPLIT_KV_VERIFY"
+# 1 (with the split-KV verify): each (request, KV head) program of the verify reads its
+# keys and values once for all the query heads that share them (SGLang 0.5.23's
+# grouped-head verify kernel, verify_mla.py, which SGLang uses only on AMD gfx95 for
+# MLA and single-KV-head targets; vendored for 0.5.17 as verify_grouped_kernel.py), instead of
+# once per query head; shapes it declines run the per-head split-KV kernel
+# (compat.GroupedThenPerHead). With the per-head kernel the verify's attention was still
+# 4.5 of a 13.9 ms step at C=64 on the H200 (benchmarks/results/h200-20261204c-8c5c7b8/).
+# Off until a device call has timed it.
+GROUPED_VERIFY_ENV = "SGLANG_DYNSPEC_GROUPED_VERIFY"
 # Where the start-up step-cost tables are cached (cost_cache); "off" disables the cache.
 COST_CACHE_ENV = "SGLANG_DYNSPEC_COST_CACHE"
 
@@ -319,6 +328,8 @@ class Settings:
     flush_stream: bool = _set_by(FLUSH_STREAM_ENV)
     # True: the target's verify attention through SGLang's split-KV verify kernel
     split_kv_verify: bool = _set_by(SPLIT_KV_VERIFY_ENV)
+    # True: the split-KV verify through the grouped-head kernel first
+    grouped_verify: bool = _set_by(GROUPED_VERIFY_ENV)
     # False: plain steps run eagerly (saves the graph's memory)
     plain_cuda_graph: bool = _set_by(PLAIN_CUDA_GRAPH_ENV)
     # True: per-request step modes in meta_info (REQUEST_MODES_KEY)
@@ -428,6 +439,13 @@ def settings_from_environ(environ: Mapping[str, str] = os.environ) -> Settings:
             raise ConfigError(
                 f"{DISABLE_THRESHOLD.describe()} must be at least 1 with {POLICY.option} goodput, got {bound}"
             )
+    split_kv = env_bool(SPLIT_KV_VERIFY_ENV, True, environ)
+    grouped = env_bool(GROUPED_VERIFY_ENV, False, environ)
+    if grouped and not split_kv:
+        raise ConfigError(
+            f"{GROUPED_VERIFY_ENV}=1 needs the split-KV verify, which {SPLIT_KV_VERIFY_ENV}=0 turns off "
+            f"(the grouped-head kernel is a split-KV verify kernel); unset one of them"
+        )
     return Settings(
         policy=policy,
         thresholds=thresholds_from_environ(environ)
@@ -438,7 +456,8 @@ def settings_from_environ(environ: Mapping[str, str] = os.environ) -> Settings:
         flush_tokens=flush_tokens_from_environ(environ),
         eager_draft_tokens=eager_draft_tokens_from_environ(environ),
         flush_stream=env_bool(FLUSH_STREAM_ENV, False, environ),
-        split_kv_verify=env_bool(SPLIT_KV_VERIFY_ENV, True, environ),
+        split_kv_verify=split_kv,
+        grouped_verify=grouped,
         penalties=penalties_from_environ(environ),
         plain_cuda_graph=env_bool(PLAIN_CUDA_GRAPH_ENV, True, environ),
         request_modes=env_bool(REQUEST_MODES_ENV, False, environ),

@@ -83,10 +83,13 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
         super().init_attention_backends()
         if not self.settings.split_kv_verify:
             return
-        verify = compat.use_split_kv_verify(self)
+        verify = compat.use_split_kv_verify(self, grouped=self.settings.grouped_verify)
         if self._first_rank:
             log = logger.warning if verify.warning else logger.info
-            log("[sglang-dynspec] target verify attention (%s): %s", config.SPLIT_KV_VERIFY_ENV, verify.note)
+            names = config.SPLIT_KV_VERIFY_ENV
+            if self.settings.grouped_verify:
+                names += f", {config.GROUPED_VERIFY_ENV}"
+            log("[sglang-dynspec] target verify attention (%s): %s", names, verify.note)
 
     def init_cuda_graphs(self):
         # The scheduler calls this once the KV pools exist (both SGLang versions, with

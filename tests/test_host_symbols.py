@@ -48,7 +48,10 @@ import torch
 from sglang_dynspec import compat
 
 PACKAGE = Path(compat.__file__).resolve().parent
-SERVING_MODULES = sorted(PACKAGE.glob("*.py"))
+# A copy of an SGLang Triton kernel (0.5.23's verify_mla.py, for 0.5.17): it reads
+# Triton's and torch's names and no SGLang object, and imports no SGLang (checked below).
+VENDORED_KERNELS = {"verify_grouped_kernel.py"}
+SERVING_MODULES = sorted(p for p in PACKAGE.glob("*.py") if p.name not in VENDORED_KERNELS)
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,5 +1,6 @@
 """The target's verify attention through SGLang's split-KV verify kernel
-(``SGLANG_DYNSPEC_SPLIT_KV_VERIFY``, ``compat.use_split_kv_verify``).
+(``SGLANG_DYNSPEC_SPLIT_KV_VERIFY``, ``compat.use_split_kv_verify``), and through the
+grouped-head kernel first (``SGLANG_DYNSPEC_GROUPED_VERIFY``, ``compat.GroupedThenPerHead``).
 
 * The switch: on real ``TritonAttnBackend`` objects, it sets SGLang's own flag on the
   target's triton backends with ``--speculative-eagle-topk 1`` only, says why not
@@ -12,14 +13,17 @@
   interpreter is chosen when the kernels are defined): batches with different prefix
   lengths, grouped-query heads, draft lengths that are not a power of two, and the
   index buffer of a captured CUDA graph, longer than the batch's prefixes (the kernel
-  derives its split count from that buffer's length).
+  derives its split count from that buffer's length). The grouped-head kernel the same
+  way, both SGLang's (0.5.23) and the plugin's copy (``verify_grouped_kernel``), with
+  the plugin's float32 partials over NaN-filled scratch, and with SGLang's bf16 partials
+  (to show what they cost).
 
 * A real server: EAGLE3_DYNAMIC with the switch on SGLang's triton attention backend,
   every triton kernel run by Triton's interpreter on the CPU, serves the
   non-speculative server's greedy tokens (same backend) through plain and speculative
   steps with the agreeing pair (every draft accepted, so the verify's attention decides
   four tokens per step), the split-KV kernel ran (the test bed logs its first call),
-  and no KV slot is left.
+  and no KV slot is left; once with the per-head kernel, once with the grouped one.
 
 The hook's start-up line under the CPU's usual attention backend is asserted in
 ``test_e2e_dynamic.py``; the kernel's speed and its numerics at the 8B shape in bf16
@@ -39,8 +43,9 @@ from pathlib import Path
 
 import pytest
 import schedule_batches  # noqa: F401  (sets up the CPU import of SGLang first)
+import torch
 
-from dynspec_testbed.plugin import SPLIT_KV_LOG_ENV, SPLIT_KV_RAN
+from dynspec_testbed.plugin import GROUPED_VERIFY_RAN, SPLIT_KV_LOG_ENV, SPLIT_KV_RAN
 from dynspec_testbed.server import (
     CI_ENV,
     CpuServer,
@@ -53,16 +58,31 @@ from dynspec_testbed.workload import compare_outputs, plugin_counters, run_waves
 from sglang_dynspec import compat, config
 
 
-def _triton_backend(deterministic: bool = False, rows: int = 129, heads: int = 32, draft_tokens: int = 4):
+def sglangs_per_head_kernel(*args, **kwargs):  # stands in for the backend's own slot
+    return True
+
+
+def _triton_backend(
+    deterministic: bool = False,
+    rows: int = 129,
+    heads: int = 32,
+    kv_heads: int = 8,
+    draft_tokens: int = 4,
+    head_dim: int = 128,
+    mla: bool = False,
+):
     """A real ``TritonAttnBackend`` with only the attributes the switch reads (its
     constructor needs a model runner on a GPU); the 8B target's heads by default."""
     backend = object.__new__(compat.TritonAttnBackend)
     backend.use_verify_splitkv = False
     backend.enable_deterministic = deterministic
+    backend.use_mla = mla
     backend.req_to_token_pool = types.SimpleNamespace(size=rows)
     backend.num_draft_tokens = draft_tokens
     backend.num_head = heads
-    backend.v_head_dim = 128
+    backend.num_kv_head = kv_heads
+    backend.v_head_dim = head_dim
+    backend.verify_splitkv_fwd = sglangs_per_head_kernel
     return backend
 
 
@@ -80,9 +100,10 @@ def _one_rank(fits):  # the agreement of a single tensor-parallel rank
 
 
 @pytest.fixture(autouse=True)
-def _keep_sglangs_scratch_class(monkeypatch):
-    # The switch installs the plugin's scratch class in SGLang's module; undo it after each test.
+def _keep_sglangs_scratch_classes(monkeypatch):
+    # The switch installs the plugin's scratch classes in the kernels' modules; undo it after each test.
     monkeypatch.setattr(compat.verify_splitkv, "VerifySplitKV", compat.verify_splitkv.VerifySplitKV)
+    monkeypatch.setattr(compat.grouped_verify, "VerifyMLA", compat.grouped_verify.VerifyMLA)
 
 
 def test_the_switch_sets_sglangs_flag_on_every_triton_backend_of_the_target():
@@ -94,6 +115,58 @@ def test_the_switch_sets_sglangs_flag_on_every_triton_backend_of_the_target():
     assert prefill.use_verify_splitkv and decode.use_verify_splitkv
     assert compat.verify_splitkv.VerifySplitKV is compat.ZeroedSplitKVScratch
     assert compat.verify_attention_kernel(worker) == "split-kv"
+
+
+def test_the_grouped_switch_puts_the_grouped_kernel_first_in_every_backends_slot():
+    prefill, decode = _triton_backend(), _triton_backend()
+    worker = _worker(prefill, decode)
+    verify = compat.use_split_kv_verify(worker, gather=_one_rank, grouped=True)
+    assert verify.split_kv and "grouped-head" in verify.note and "per-head" in verify.note
+    for backend in (prefill, decode):
+        assert backend.use_verify_splitkv
+        assert isinstance(backend.verify_splitkv_fwd, compat.GroupedThenPerHead)
+        assert backend.verify_splitkv_fwd.per_head is sglangs_per_head_kernel
+    assert compat.grouped_verify.VerifyMLA is compat.Float32PartialsGroupedVerify
+    assert compat.verify_splitkv.VerifySplitKV is compat.ZeroedSplitKVScratch
+    assert compat.verify_attention_kernel(worker) == "grouped-split-kv"
+    # A second call (the draft worker's backends may be set up again) wraps nothing twice.
+    compat.use_split_kv_verify(worker, gather=_one_rank, grouped=True)
+    assert prefill.verify_splitkv_fwd.per_head is sglangs_per_head_kernel
+
+
+def test_without_the_grouped_switch_the_slot_keeps_sglangs_kernel():
+    backend = _triton_backend()
+    compat.use_split_kv_verify(_worker(backend), gather=_one_rank)
+    assert backend.verify_splitkv_fwd is sglangs_per_head_kernel
+    assert compat.grouped_verify.VerifyMLA is not compat.Float32PartialsGroupedVerify
+
+
+@pytest.mark.parametrize("grouped_serves", [True, False])
+def test_the_per_head_kernel_runs_only_what_the_grouped_kernel_declines(monkeypatch, grouped_serves):
+    calls = []
+
+    def grouped(*args, **kwargs):
+        calls.append(("grouped", args, kwargs))
+        return grouped_serves
+
+    def per_head(*args, **kwargs):
+        calls.append(("per-head", args, kwargs))
+        return True
+
+    monkeypatch.setattr(compat.grouped_verify, "verify_shared_kv_fwd", grouped)
+    slot = compat.GroupedThenPerHead(per_head)
+    assert slot("q", "k", max_bs=3) is True
+    expected = [("grouped", ("q", "k"), {"max_bs": 3})]
+    if not grouped_serves:
+        expected.append(("per-head", ("q", "k"), {"max_bs": 3}))
+    assert calls == expected
+
+
+def test_an_mla_target_keeps_sglangs_kernel():
+    backend = _triton_backend(mla=True)
+    verify = compat.use_split_kv_verify(_worker(backend), gather=_one_rank, grouped=True)
+    assert not verify.split_kv and not backend.use_verify_splitkv and "MLA" in verify.note
+    assert backend.verify_splitkv_fwd is sglangs_per_head_kernel
 
 
 @pytest.mark.parametrize("topk", [2, 4])
@@ -112,18 +185,56 @@ def test_another_attention_backend_is_left_alone():
     assert compat.verify_attention_kernel(_worker(other)) == "sglang"
 
 
-@pytest.mark.parametrize("rows, heads, draft_tokens", [(129, 32, 4), (17, 8, 5), (3, 2, 2)])
-def test_the_scratch_estimate_is_what_sglang_allocates_at_every_split_count(rows, heads, draft_tokens):
-    backend = _triton_backend(rows=rows, heads=heads, draft_tokens=draft_tokens)
+SCRATCH_SHAPES = [  # rows, query heads, KV heads, draft tokens, head dimension
+    (129, 32, 8, 4, 128),  # the 8B target
+    (17, 8, 2, 5, 64),
+    (3, 4, 2, 2, 128),  # a group of 2 query heads per KV head: a smaller head block
+    (5, 4, 1, 3, 256),  # one KV head; a head dimension with its own block configuration
+    (3, 2, 2, 2, 16),
+]
+
+
+def _per_head_scratch(rows, heads, draft_tokens, head_dim) -> int:
     allocated = 0
     n = compat.verify_splitkv.MIN_N_SPLITS
     while n <= compat.verify_splitkv.MAX_N_SPLITS:  # every count choose_n_splits can pick
         scratch = compat.verify_splitkv.VerifySplitKV(
-            rows, heads, 1, 128, 128, draft_tokens, device="cpu", n_splits=n
+            rows, heads, 1, head_dim, head_dim, draft_tokens, device="cpu", n_splits=n
         )
         allocated += scratch.att_out.nbytes + scratch.att_lse.nbytes
         n *= 2
-    assert compat.split_kv_scratch_bytes(backend) == allocated
+    return allocated
+
+
+@pytest.mark.parametrize("rows, heads, kv_heads, draft_tokens, head_dim", SCRATCH_SHAPES)
+def test_the_scratch_estimate_is_what_sglang_allocates_at_every_split_count(
+    rows, heads, kv_heads, draft_tokens, head_dim
+):
+    backend = _triton_backend(
+        rows=rows, heads=heads, kv_heads=kv_heads, draft_tokens=draft_tokens, head_dim=head_dim
+    )
+    assert compat.split_kv_scratch_bytes(backend) == _per_head_scratch(rows, heads, draft_tokens, head_dim)
+
+
+@pytest.mark.parametrize("rows, heads, kv_heads, draft_tokens, head_dim", SCRATCH_SHAPES)
+def test_the_grouped_scratch_estimate_adds_what_the_grouped_kernel_allocates(
+    monkeypatch, rows, heads, kv_heads, draft_tokens, head_dim
+):
+    """The grouped kernel's scratch as its own cache builds it for the backend's call
+    (``max_bs`` = the pool's rows), with the plugin's float32 partials."""
+    backend = _triton_backend(
+        rows=rows, heads=heads, kv_heads=kv_heads, draft_tokens=draft_tokens, head_dim=head_dim
+    )
+    monkeypatch.setattr(compat.grouped_verify, "VerifyMLA", compat.Float32PartialsGroupedVerify)
+    monkeypatch.setattr(compat.grouped_verify, "_VMLA_CACHE", {})
+    scratch = compat.grouped_verify._get_vmla(
+        rows, heads, head_dim, head_dim, draft_tokens, "cpu", heads // kv_heads
+    )
+    assert scratch.att_out.dtype == torch.float32
+    grouped = scratch.att_out.nbytes + scratch.att_lse.nbytes
+    assert compat.split_kv_scratch_bytes(backend, grouped=True) == (
+        _per_head_scratch(rows, heads, draft_tokens, head_dim) + grouped
+    )
 
 
 def test_a_scratch_that_does_not_fit_keeps_sglangs_kernel_with_a_warning(monkeypatch):
@@ -175,9 +286,24 @@ def test_the_split_kv_verify_is_on_by_default(raw, expected):
     assert config.settings_from_environ(environ).split_kv_verify is expected
 
 
-def test_a_bad_value_names_the_variable():
-    with pytest.raises(config.ConfigError, match=config.SPLIT_KV_VERIFY_ENV):
-        config.settings_from_environ({config.SPLIT_KV_VERIFY_ENV: "fast"})
+@pytest.mark.parametrize("raw, expected", [(None, False), ("0", False), ("1", True), ("on", True)])
+def test_the_grouped_verify_is_off_until_timed(raw, expected):
+    environ = {} if raw is None else {config.GROUPED_VERIFY_ENV: raw}
+    assert config.settings_from_environ(environ).grouped_verify is expected
+
+
+def test_the_grouped_verify_without_the_split_kv_verify_is_refused_naming_both():
+    environ = {config.GROUPED_VERIFY_ENV: "1", config.SPLIT_KV_VERIFY_ENV: "0"}
+    with pytest.raises(config.ConfigError) as refused:
+        config.settings_from_environ(environ)
+    message = str(refused.value)
+    assert config.GROUPED_VERIFY_ENV in message and config.SPLIT_KV_VERIFY_ENV in message
+
+
+@pytest.mark.parametrize("name", [config.SPLIT_KV_VERIFY_ENV, config.GROUPED_VERIFY_ENV])
+def test_a_bad_value_names_the_variable(name):
+    with pytest.raises(config.ConfigError, match=name):
+        config.settings_from_environ({name: "fast"})
 
 
 # The kernels under Triton's interpreter, in a child process: for each scratch class
@@ -225,10 +351,37 @@ _KERNEL_SCRIPT = textwrap.dedent(
         d = (a.double() - b.double()).abs().max().item()
         return None if math.isnan(d) else d  # JSON has no NaN
 
+    def per_head(scratch):
+        def install():
+            verify_splitkv.VerifySplitKV = scratch
+            verify_splitkv._VK_CACHE.clear()
+        return install, verify_splitkv.verify_splitkv_fwd
+
+    def grouped(module, verify_class):
+        def install():
+            # NaN in both fresh buffers: a partial of a split without keys must never be read.
+            class Garbage(verify_class):
+                def _alloc(self, max_bs):
+                    super()._alloc(max_bs)
+                    self.att_out.fill_(float("nan"))
+                    self.att_lse.fill_(float("nan"))
+            module.VerifyMLA = Garbage
+            module._VMLA_CACHE.clear()
+        return install, module.verify_shared_kv_fwd
+
+    kernels = {"sglang": per_head(SGLANGS), "plugin": per_head(compat.ZeroedSplitKVScratch)}
+    from sglang_dynspec import verify_grouped_kernel as copy
+    modules = {"copy": copy}
+    if compat.grouped_verify is not copy:  # SGLang ships it (0.5.23)
+        modules["sglang"] = compat.grouped_verify
+    for where, module in modules.items():
+        bf16_partials = module.VerifyMLA
+        kernels[f"grouped-{where}-bf16-partials"] = grouped(module, bf16_partials)
+        kernels[f"grouped-{where}"] = grouped(module, compat.with_float32_partials(bf16_partials))
+
     results = {}
-    for name, scratch in (("sglang", SGLANGS), ("plugin", compat.ZeroedSplitKVScratch)):
-        verify_splitkv.VerifySplitKV = scratch
-        verify_splitkv._VK_CACHE.clear()
+    for name, (install, kernel) in kernels.items():
+        install()
         results[name] = []
         for case in json.loads(sys.argv[1]):
             torch.manual_seed(case["seed"])
@@ -253,7 +406,7 @@ _KERNEL_SCRIPT = textwrap.dedent(
             mask_indptr[1:] = torch.cumsum(torch.tensor([draft * (n + draft) for n in prefix_lens]), 0)
             scale = d ** -0.5
             split, prefill = torch.empty_like(q), torch.empty_like(q)
-            ran = verify_splitkv.verify_splitkv_fwd(
+            ran = kernel(
                 q, k, v, split, kb, vb, qo_indptr, kv_indptr, kv_indices, torch.cat(masks), True,
                 mask_indptr, draft, 1.0, 1.0, scale, max_bs=bs,
             )
@@ -296,19 +449,41 @@ def kernel_results() -> dict[str, list[dict]]:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(out.stdout.strip().splitlines()[-1])
-    assert {name: len(r) for name, r in results.items()} == {
-        "sglang": len(KERNEL_CASES),
-        "plugin": len(KERNEL_CASES),
-    }
+    grouped = {"copy"} | ({"sglang"} if compat.grouped_verify.__name__.startswith("sglang.") else set())
+    expected = {"sglang", "plugin"}
+    for where in grouped:
+        expected |= {f"grouped-{where}", f"grouped-{where}-bf16-partials"}
+    assert {name: len(r) for name, r in results.items()} == {name: len(KERNEL_CASES) for name in expected}
     return results
 
 
-def test_split_kv_verify_computes_the_prefill_kernels_attention(kernel_results):
-    for case, result in zip(KERNEL_CASES, kernel_results["plugin"]):
+PLUGIN_KERNELS = ["plugin", "grouped-copy"] + (
+    ["grouped-sglang"] if compat.grouped_verify.__name__.startswith("sglang.") else []
+)
+
+
+@pytest.mark.parametrize("kernel", PLUGIN_KERNELS)
+def test_split_kv_verify_computes_the_prefill_kernels_attention(kernel_results, kernel):
+    """The per-head kernel with the plugin's zeroed scratch, and the grouped-head kernel
+    (the plugin's copy and SGLang's where it ships one) with float32 partials over a
+    scratch that starts as NaN."""
+    for case, result in zip(KERNEL_CASES, kernel_results[kernel]):
         assert result["ran"], (case, "the split-KV kernel refused a case it serves")
         # float32 accumulation in both kernels; the reference is float64 (None: NaN).
         for key in ("split_vs_reference", "prefill_vs_reference", "split_vs_prefill"):
             assert result[key] is not None and result[key] < 1e-5, (case, key, result)
+
+
+def test_the_grouped_kernels_bf16_partials_are_why_the_plugin_keeps_them_in_float32(kernel_results):
+    """With SGLang's bf16 partials the grouped kernel's output is off the float64
+    reference by a bf16 rounding of each split's partial (above 1e-4 with these float32
+    inputs, where the float32 partials stay under 1e-5)."""
+    for where in ("copy", "sglang"):
+        if f"grouped-{where}-bf16-partials" not in kernel_results:
+            continue
+        bf16 = [r["split_vs_reference"] for r in kernel_results[f"grouped-{where}-bf16-partials"]]
+        assert all(error is not None for error in bf16), bf16
+        assert max(bf16) > 1e-4, bf16
 
 
 def test_sglangs_scratch_lets_garbage_through_where_a_split_holds_no_keys(kernel_results):
@@ -325,27 +500,49 @@ SERVED_WAVES = waves_of([3, 1], seed=31, prefix="splitkv", new_tokens=(12, 20))
 TRITON_ON_THE_CPU = ["--attention-backend", "triton", "--enable-metrics"]
 
 
-@pytest.mark.server
-def test_a_server_with_the_split_kv_verify_serves_the_non_speculative_tokens(tiny_models, tmp_path):
-    interpreted = {**CI_ENV, "TRITON_INTERPRET": "1"}
-    reference = serve(
+@pytest.fixture(scope="module")
+def triton_reference(tiny_models, tmp_path_factory):
+    """The non-speculative server's greedy tokens on the same triton backend."""
+    return serve(
         baseline_server_args(tiny_models, "agree", extra=TRITON_ON_THE_CPU),
         lambda url: run_waves(url, SERVED_WAVES),
-        log_path=tmp_path / "reference.log",
-        env=interpreted,
+        log_path=tmp_path_factory.mktemp("splitkv") / "reference.log",
+        env={**CI_ENV, "TRITON_INTERPRET": "1"},
     )
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("kernel", ["per-head", "grouped"])
+def test_a_server_with_the_split_kv_verify_serves_the_non_speculative_tokens(
+    tiny_models, tmp_path, triton_reference, kernel
+):
+    """The tiny target has 4 query heads over 2 KV heads: the grouped kernel serves its
+    verify with a head block of 2 (one KV head's pair)."""
     args = dynamic_server_args(tiny_models, "agree", disable_above=2, extra=TRITON_ON_THE_CPU)
     log = tmp_path / "dynamic.log"
-    env = {**interpreted, config.SPLIT_KV_VERIFY_ENV: "1", SPLIT_KV_LOG_ENV: "1"}
+    env = {
+        **CI_ENV,
+        "TRITON_INTERPRET": "1",
+        config.SPLIT_KV_VERIFY_ENV: "1",
+        config.GROUPED_VERIFY_ENV: "1" if kernel == "grouped" else "0",
+        SPLIT_KV_LOG_ENV: "1",
+    }
     with CpuServer(args, log_path=log, env=env) as server:
         got = run_waves(server.url, SERVED_WAVES)
         counters = plugin_counters(server.url)
         assert_no_kv_left(server.url)
-    assert compare_outputs(reference, got) == []
+    assert compare_outputs(triton_reference, got) == []
     assert counters.steps_spec > 0 and counters.steps_plain > 0, counters
     text = log.read_text()
-    assert (
-        "(SGLANG_DYNSPEC_SPLIT_KV_VERIFY): SGLang's split-KV verify kernel (verify_splitkv.py) on the target"
-        in text
-    )
-    assert SPLIT_KV_RAN in text
+    if kernel == "grouped":
+        assert (
+            "(SGLANG_DYNSPEC_SPLIT_KV_VERIFY, SGLANG_DYNSPEC_GROUPED_VERIFY): the grouped-head verify kernel"
+            in text
+        )
+        assert GROUPED_VERIFY_RAN in text and SPLIT_KV_RAN not in text
+    else:
+        assert (
+            "(SGLANG_DYNSPEC_SPLIT_KV_VERIFY): SGLang's split-KV verify kernel (verify_splitkv.py) on the target"
+            in text
+        )
+        assert SPLIT_KV_RAN in text and GROUPED_VERIFY_RAN not in text

@@ -43,8 +43,9 @@ server_args() {
     eagle3) echo --speculative-algorithm EAGLE3 "${SPEC[@]}" --enable-metrics ;;
     dynamic) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
     # The target's verify attention through SGLang's split-KV kernel (issue 20; the default
-    # since the commit after 8c5c7b8, named for results measured before) or its prefill kernel.
-    dynamic-splitkv | dynamic-prefill-verify) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
+    # since the commit after 8c5c7b8, named for results measured before) or its prefill kernel,
+    # or through the grouped-head kernel first (SGLANG_DYNSPEC_GROUPED_VERIFY).
+    dynamic-splitkv | dynamic-prefill-verify | dynamic-grouped) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
   esac
 }
 
@@ -53,9 +54,10 @@ jsonl() { python3 -c "import json,sys; print(json.dumps(dict(a.split('=',1) for 
 for cfg in ${CONFIGS:-baseline eagle3 dynamic}; do
   t0=$SECONDS
   case $cfg in
-    dynamic-splitkv) export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=1 ;;
-    dynamic-prefill-verify) export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=0 ;;
-    *) unset SGLANG_DYNSPEC_SPLIT_KV_VERIFY ;;
+    dynamic-splitkv) export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=1 SGLANG_DYNSPEC_GROUPED_VERIFY=0 ;;
+    dynamic-prefill-verify) export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=0 SGLANG_DYNSPEC_GROUPED_VERIFY=0 ;;
+    dynamic-grouped) export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=1 SGLANG_DYNSPEC_GROUPED_VERIFY=1 ;;
+    *) unset SGLANG_DYNSPEC_SPLIT_KV_VERIFY SGLANG_DYNSPEC_GROUPED_VERIFY ;;
   esac
   # shellcheck disable=SC2046
   if start_server "$cfg" $(server_args "$cfg") --log-level info; then

@@ -33,23 +33,25 @@ server_args() {
     dynamic) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
     # EAGLE3_DYNAMIC held speculative at every batch size (a threshold above any batch), with
     # the target's verify attention through SGLang's split-KV kernel (SGLANG_DYNSPEC_SPLIT_KV_VERIFY,
-    # exported below; the default since the commit after 8c5c7b8) or its prefill kernel.
-    spec-splitkv | spec-prefill-verify) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics \
+    # exported below; the default since the commit after 8c5c7b8) or its prefill kernel, or
+    # through the grouped-head kernel first (SGLANG_DYNSPEC_GROUPED_VERIFY).
+    spec-splitkv | spec-prefill-verify | spec-grouped) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics \
       --speculative-dynamic-policy threshold --speculative-disable-batch-threshold 4096 --log-level info ;;
     # Issue 20 §2, the attention backend: flashinfer for both servers (lib.sh's triton is
     # overridden: the last --attention-backend wins).
     baseline-fi) echo --enable-metrics --attention-backend flashinfer ;;
     eagle3-fi) echo --speculative-algorithm EAGLE3 "${SPEC[@]}" --enable-metrics --attention-backend flashinfer ;;
-    *) echo "unknown config $1 (baseline, eagle3, dynamic, spec-splitkv, spec-prefill-verify, baseline-fi, eagle3-fi)" >&2; return 1 ;;
+    *) echo "unknown config $1 (baseline, eagle3, dynamic, spec-splitkv, spec-prefill-verify, spec-grouped, baseline-fi, eagle3-fi)" >&2; return 1 ;;
   esac
 }
 
 for cfg in ${CONFIGS:-baseline eagle3}; do
   args=$(server_args "$cfg") || continue
   case $cfg in
-    spec-splitkv) export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=1 ;;
-    spec-prefill-verify) export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=0 ;;
-    *) unset SGLANG_DYNSPEC_SPLIT_KV_VERIFY ;;
+    spec-splitkv) export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=1 SGLANG_DYNSPEC_GROUPED_VERIFY=0 ;;
+    spec-prefill-verify) export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=0 SGLANG_DYNSPEC_GROUPED_VERIFY=0 ;;
+    spec-grouped) export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=1 SGLANG_DYNSPEC_GROUPED_VERIFY=1 ;;
+    *) unset SGLANG_DYNSPEC_SPLIT_KV_VERIFY SGLANG_DYNSPEC_GROUPED_VERIFY ;;
   esac
   # shellcheck disable=SC2086  # the server's flags, word-split on purpose
   start_server "$cfg" $args || continue

@@ -9,6 +9,9 @@ batch's prefixes: it picks 16 splits from that length). Prints one JSON line per
 the largest difference between the two outputs and against a float32 reference, and
 each kernel's time per call and per verify of all layers (``LAYERS``, default 32).
 The scratch buffers are the plugin's zeroed ones (``compat.ZeroedSplitKVScratch``).
+The grouped-head kernel (``SGLANG_DYNSPEC_GROUPED_VERIFY``: ``compat.grouped_verify``,
+SGLang's where it ships one, else the plugin's copy) as the plugin runs it, with float32
+partials (``grouped_*``), and with SGLang's bf16 partials (``grouped_bf16_*``).
 
     python3 benchmarks/h200/splitkv_check.py > $OUT/splitkv.jsonl
     # a check of the script itself on a CPU (Triton's interpreter, small points, no times):
@@ -73,7 +76,7 @@ def point(bs: int, prefix: int) -> dict:
     mask = one.flatten().repeat(bs)
     mask_indptr = torch.arange(0, (bs + 1) * DRAFT * (prefix + DRAFT), DRAFT * (prefix + DRAFT), device=dev)
     scale = D**-0.5
-    split, graph_split, prefill = (torch.empty_like(q) for _ in range(3))
+    split, graph_split, prefill, grouped, grouped_bf16 = (torch.empty_like(q) for _ in range(5))
 
     def kernel_args(out, indices):  # the two kernels take the same positional arguments
         return (
@@ -101,8 +104,22 @@ def point(bs: int, prefix: int) -> dict:
     def run_prefill():
         extend_attention_fwd(*kernel_args(prefill, kv_indices))
 
+    def run_grouped(out, verify_class):
+        def install():  # the kernel's cache builds its scratch from this module name
+            compat.grouped_verify.VerifyMLA = verify_class
+            compat.grouped_verify._VMLA_CACHE.clear()
+
+        install()
+        return lambda: compat.grouped_verify.verify_shared_kv_fwd(
+            *kernel_args(out, graph_indices), max_bs=128
+        )
+
     assert run_split(split, kv_indices)() and run_split(graph_split, graph_indices)()
     run_prefill()
+    grouped_bf16_run = run_grouped(grouped_bf16, BF16_PARTIALS)
+    assert grouped_bf16_run()
+    grouped_run = run_grouped(grouped, compat.Float32PartialsGroupedVerify)
+    assert grouped_run()
     ref = reference(q, k, v, kb, vb, prefix_lens, kv_indices, scale)
     times = {}
     if dev == "cuda":
@@ -110,7 +127,10 @@ def point(bs: int, prefix: int) -> dict:
             "prefill_kernel_ms": triton.testing.do_bench(run_prefill),
             "split_kv_ms": triton.testing.do_bench(run_split(split, kv_indices)),
             "split_kv_graph_indices_ms": triton.testing.do_bench(run_split(graph_split, graph_indices)),
+            "grouped_ms": triton.testing.do_bench(grouped_run),
         }
+        run_grouped(grouped_bf16, BF16_PARTIALS)  # its own scratch again, for its time
+        times["grouped_bf16_ms"] = triton.testing.do_bench(grouped_bf16_run)
     return {
         "bs": bs,
         "prefix": prefix,
@@ -118,9 +138,15 @@ def point(bs: int, prefix: int) -> dict:
         "graph_split_vs_prefill": (graph_split.float() - prefill.float()).abs().max().item(),
         "split_vs_reference": (split.float() - ref).abs().max().item(),
         "prefill_vs_reference": (prefill.float() - ref).abs().max().item(),
+        "grouped_vs_reference": (grouped.float() - ref).abs().max().item(),
+        "grouped_bf16_vs_reference": (grouped_bf16.float() - ref).abs().max().item(),
+        "grouped_vs_prefill": (grouped.float() - prefill.float()).abs().max().item(),
         **{name: round(ms, 4) for name, ms in times.items()},
         **{name.replace("_ms", f"_x{LAYERS}_layers_ms"): round(ms * LAYERS, 3) for name, ms in times.items()},
     }
+
+
+BF16_PARTIALS = compat.grouped_verify.VerifyMLA  # SGLang's class, before anything replaces it
 
 
 def main() -> None:

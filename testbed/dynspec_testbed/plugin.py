@@ -20,8 +20,10 @@ Environment variables (booleans read with ``sglang_dynspec.config.env_bool``:
     ``SGLANG_DYNSPEC_TESTBED_SPLIT_KV_LOG=1``
         Logs once per process when SGLang's split-KV verify kernel runs
         (``verify_splitkv.VerifySplitKV.__call__``; the plugin's zeroed-scratch class
-        inherits it), so a test can tell that kernel from the prefill kernel it
-        replaces, which gives the same tokens.
+        inherits it), and once when the grouped-head verify kernel runs
+        (``compat.grouped_verify.VerifyMLA.__call__``, which the plugin's
+        float32-partials class inherits), so a test can tell those kernels from the
+        prefill kernel they replace, which gives the same tokens.
     ``SGLANG_DYNSPEC_TESTBED_OVERLAP=1``
         Runs EAGLE-family speculative decoding (EAGLE, EAGLE3 and plugin
         algorithms whose spec class answers ``is_eagle()``, e.g. EAGLE3_DYNAMIC)
@@ -65,6 +67,7 @@ TESTBED_ENV = "SGLANG_DYNSPEC_TESTBED"
 OVERLAP_ENV = "SGLANG_DYNSPEC_TESTBED_OVERLAP"
 SPLIT_KV_LOG_ENV = "SGLANG_DYNSPEC_TESTBED_SPLIT_KV_LOG"
 SPLIT_KV_RAN = "sglang_dynspec test bed: split-KV verify kernel ran"
+GROUPED_VERIFY_RAN = "sglang_dynspec test bed: grouped-head verify kernel ran"
 
 GATHER_SPEC_EXTRAS = "sglang.kernels.ops.speculative.gather_spec_extras.gather_spec_extras"
 CPU_OVERLAP_RULE = "sglang.srt.arg_groups.speculative_hook._disable_overlap_schedule_for_cpu"
@@ -103,17 +106,24 @@ def register() -> None:
 def _log_split_kv_calls() -> None:
     from sglang.kernels.ops.attention import verify_splitkv
 
-    call = verify_splitkv.VerifySplitKV.__call__
+    from sglang_dynspec.compat import grouped_verify
+
+    _log_first_call(verify_splitkv.VerifySplitKV, SPLIT_KV_RAN)
+    _log_first_call(grouped_verify.VerifyMLA, GROUPED_VERIFY_RAN)
+
+
+def _log_first_call(kernel_class, message: str) -> None:
+    call = kernel_class.__call__
     logged = False
 
     def logging_call(self, *args, **kwargs):
         nonlocal logged
         if not logged:
             logged = True
-            logger.info("%s (pid %d)", SPLIT_KV_RAN, os.getpid())
+            logger.info("%s (pid %d)", message, os.getpid())
         return call(self, *args, **kwargs)
 
-    verify_splitkv.VerifySplitKV.__call__ = logging_call
+    kernel_class.__call__ = logging_call
 
 
 def _groups_without_pynccl(original, group_ranks, local_rank, backend, use_pynccl=None, *args, **kwargs):
