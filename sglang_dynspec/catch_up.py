@@ -87,6 +87,30 @@ class GapRows:
         """Index of each request's last replayed position, request after request."""
         return list(itertools.accumulate(self.gaps, initial=-1))[1:]
 
+    def chunks(self, max_tokens: int) -> list[GapRows]:
+        """These requests in consecutive groups that replay at most ``max_tokens``
+        positions each (a request whose gap alone is larger is a group of its own: a
+        gap is never split, its last position gives the request's draft state);
+        ``max_tokens`` 0: one group."""
+        if max_tokens <= 0 or self.num_tokens <= max_tokens:
+            return [self]
+        groups, start, tokens = [], 0, 0
+        for k, gap in enumerate(self.gaps):
+            if k > start and tokens + gap > max_tokens:
+                groups.append(self._slice(start, k))
+                start, tokens = k, 0
+            tokens += gap
+        groups.append(self._slice(start, len(self.gaps)))
+        return groups
+
+    def _slice(self, start: int, stop: int) -> GapRows:
+        return GapRows(
+            self.rows[start:stop],
+            self.pool_indices[start:stop],
+            self.gaps[start:stop],
+            self.committed_lens[start:stop],
+        )
+
 
 @dataclass(frozen=True)
 class GapIndex:
@@ -453,6 +477,7 @@ class CatchUp(Protocol):
     enabled: bool
     nbytes: int  # device memory held
     replays: ReplayTally | None
+    forward_tokens: int  # positions one draft forward replays at most (0: no limit)
 
     def before_plain_step(self, batch: ScheduleBatch) -> None: ...
 
@@ -470,6 +495,7 @@ class NoCatchUp:
     enabled = False
     nbytes = 0
     replays = None
+    forward_tokens = 0
 
     def before_plain_step(self, batch: ScheduleBatch) -> None:
         pass
@@ -519,7 +545,11 @@ class DraftCatchUp:
     ``report``, which gets each catch-up with a device timer. With ``passes.top1`` each
     catch-up also compares the draft's proposals with the target's tokens (``replays``).
     ``flush_tokens``: positions one buffer-full flush replays at most
-    (``PlainGapLog.due_for_flush``; 0: every gap of the batch at once). ``side``: a
+    (``PlainGapLog.due_for_flush``; 0: every gap of the batch at once).
+    ``forward_tokens``: positions one draft forward of any catch-up replays at most
+    (whole gaps, ``GapRows.chunks``; 0: no limit): SGLang's largest prefill forward,
+    the activations its memory plan allows for, where a flush of every gap of a large
+    batch (requests x ``capacity``) would not be bounded. ``side``: a
     stream for buffer-full flushes (``SGLANG_DYNSPEC_FLUSH_STREAM``), so that the plain
     steps after one run beside it instead of behind it; every other draft forward (a
     resume, a mixed catch-up, the pass after a prefill, a speculative step) waits for it
@@ -538,9 +568,11 @@ class DraftCatchUp:
         report: CatchUpReport,
         flush_tokens: int = 0,
         side: SideStream | None = None,
+        forward_tokens: int = 0,
     ):
         self.req_to_token = req_to_token
         self.flush_tokens = flush_tokens
+        self.forward_tokens = forward_tokens
         self.device = req_to_token.device
         self.passes = passes
         self.report = report
@@ -609,8 +641,9 @@ class DraftCatchUp:
             if len(gap_rows):
                 batch_rows = [rows[k] for k in gap_rows.rows]
                 gap_rows = GapRows(batch_rows, gap_rows.pool_indices, gap_rows.gaps, gap_rows.committed_lens)
-                tail_at = to_device([starts[r] for r in batch_rows], torch.int64, batch.input_ids.device)
-                self._catch_up(batch, gap_rows, batch.input_ids[tail_at], CatchUpReason.MIXED)
+                for part in gap_rows.chunks(self.forward_tokens):
+                    tail_at = to_device([starts[r] for r in part.rows], torch.int64, batch.input_ids.device)
+                    self._catch_up(batch, part, batch.input_ids[tail_at], CatchUpReason.MIXED)
         # Every other log of the batch is dropped: a slot being prefilled, or a decoding
         # request whose gap could not be replayed here (no input ids); its tail is
         # drafted by this step, so later plain positions would not continue the gap.
@@ -623,10 +656,12 @@ class DraftCatchUp:
         if not len(gap_rows):
             return
         draft_input = batch.spec_info
-        rows = to_device(gap_rows.rows, torch.int64, batch.seq_lens.device)
-        fresh = self._catch_up(batch, gap_rows, compat.pending_tokens(draft_input)[rows], reason)
-        if reason is CatchUpReason.RESUME:
-            with_draft_state_rows(draft_input, rows, fresh)
+        pending = compat.pending_tokens(draft_input)
+        for part in gap_rows.chunks(self.forward_tokens):
+            rows = to_device(part.rows, torch.int64, batch.seq_lens.device)
+            fresh = self._catch_up(batch, part, pending[rows], reason)
+            if reason is CatchUpReason.RESUME:
+                with_draft_state_rows(draft_input, rows, fresh)
 
     def _catch_up(self, batch: ScheduleBatch, gap_rows: GapRows, tails: torch.Tensor, reason: CatchUpReason):
         """Replay ``gap_rows``' gaps into the draft; return the draft's fresh state
@@ -709,6 +744,8 @@ def new_catch_up(
     ``compare``: tally the draft's proposals against the target's tokens (``replays``;
     left off for a draft model whose logits head ``compat.draft_top1`` cannot read);
     ``flush_tokens``: positions one buffer-full flush replays at most (0: no limit);
+    every catch-up forward replays at most SGLang's largest prefill forward
+    (``compat.prefill_forward_tokens``);
     ``eager_draft_tokens``: flushes of at least this many positions run outside SGLang's
     draft prefill graph (``compat.draft_graph_off_from``; 0: never); ``flush_stream``:
     buffer-full flushes on a side stream (``DraftCatchUp``), every one of them eager (a
@@ -728,4 +765,5 @@ def new_catch_up(
         report=report,
         flush_tokens=flush_tokens,
         side=SideStream(device) if flush_stream else None,
+        forward_tokens=compat.prefill_forward_tokens(spec_worker),
     )

@@ -147,6 +147,9 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
             "enable_custom_logit_processor",
             "cuda_graph_backend_decode",
             "cuda_graph_backend_prefill",
+            # The draft catch-up's largest forward (prefill_forward_tokens).
+            "chunked_prefill_size",
+            "max_prefill_tokens",
         ),
     ),
     HostSymbols(
@@ -849,6 +852,16 @@ def step_cost_key(spec_worker, grid) -> dict:
         "cuda_graph": not getattr(args, "disable_cuda_graph", False),
         "grid": [list(grid[0]), list(grid[1])],
     }
+
+
+def prefill_forward_tokens(spec_worker) -> int:
+    """The most tokens SGLang puts in one prefill forward: ``--chunked-prefill-size``, or
+    ``--max-prefill-tokens`` where chunked prefill is off. SGLang leaves device memory
+    for the activations of a forward of that size, so a draft catch-up forward held
+    within it needs no memory SGLang did not plan for."""
+    args = spec_worker.server_args
+    chunk = args.chunked_prefill_size
+    return int(chunk) if chunk is not None and chunk > 0 else int(args.max_prefill_tokens)
 
 
 def max_running_requests(spec_worker) -> int:

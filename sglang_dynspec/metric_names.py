@@ -62,8 +62,9 @@ HELP = {
         "(the rest ran eagerly: no graph captured, or a batch above its largest size)."
     ),
     CATCH_UP_COUNTER: (
-        "Draft catch-ups of EAGLE3_DYNAMIC (one batched draft extend over the positions "
-        "decoded plain), by reason: resume, buffer_full (in plain mode), mixed."
+        "Draft catch-ups of EAGLE3_DYNAMIC (one batched draft extend over positions decoded "
+        "plain, at most SGLang's largest prefill forward), by reason: resume, buffer_full "
+        "(in plain mode), mixed."
     ),
     CATCH_UP_TOKENS_COUNTER: "Positions replayed into the draft model by EAGLE3_DYNAMIC catch-ups.",
     CATCH_UP_SECONDS: "Device time of one EAGLE3_DYNAMIC draft catch-up.",

@@ -120,7 +120,9 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
         if self.catch_up.enabled and self._first_rank:
             logger.info(
                 "[sglang-dynspec] draft catch-up buffer: %d positions x %d requests, %.0f MiB (allocated "
-                "after the KV pool; %s); buffer-full flushes %s, %s%s; %s",
+                "after the KV pool; %s); buffer-full flushes %s, %s%s; %s; each catch-up forward "
+                "replays at most %d positions (SGLang's largest prefill forward: --chunked-prefill-size, "
+                "or --max-prefill-tokens without chunked prefill)",
                 self.settings.catch_up_tokens,
                 compat.request_pool_size(self),
                 self.catch_up.nbytes / 2**20,
@@ -138,6 +140,7 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
                 f"draft's prefill graph ({config.EAGER_DRAFT_TOKENS_ENV})"
                 if self.settings.eager_draft_tokens
                 else f"the draft's prefill graph wherever SGLang uses it ({config.EAGER_DRAFT_TOKENS_ENV}=0)",
+                self.catch_up.forward_tokens,
             )
         if self._first_rank:
             warning = config.unreachable_bound_warning(self.settings, compat.max_running_requests(self))

@@ -436,6 +436,95 @@ def test_a_flush_budget_replays_every_position_once_in_pieces(case, budget, data
     )
 
 
+@settings(max_examples=200, deadline=None)
+@given(gaps=st.lists(st.integers(1, 9), max_size=8), max_tokens=st.integers(0, 20))
+def test_gap_rows_split_into_consecutive_groups_within_the_forward_size(gaps, max_tokens):
+    n = len(gaps)
+    rows = GapRows(list(range(n)), [10 + k for k in range(n)], gaps, [50 + k for k in range(n)])
+    groups = rows.chunks(max_tokens)
+    # Together, the groups are the requests, in order, each whole.
+    for field in ("rows", "pool_indices", "gaps", "committed_lens"):
+        assert [x for g in groups for x in getattr(g, field)] == getattr(rows, field)
+    if max_tokens == 0 or sum(gaps) <= max_tokens:
+        assert groups == [rows]
+        return
+    for group in groups:
+        assert len(group) >= 1
+        assert group.num_tokens <= max_tokens or len(group) == 1, (group, max_tokens)
+    # Greedy: no group could have taken the next request too.
+    for group, after in zip(groups, groups[1:]):
+        assert group.num_tokens + after.gaps[0] > max_tokens
+
+
+def _replayed(calls) -> dict[str, list[tuple[int, list[int]]]]:
+    """(first position, tokens) of each replay of each request, by rid, in order."""
+    covered: dict[str, list] = {}
+    for call in calls:
+        ext = call[1]
+        tokens = iter(ext.input_ids.tolist())
+        for req, prefix, n in zip(ext.reqs, ext.prefix_lens, ext.extend_lens):
+            covered.setdefault(req.rid, []).append((prefix, [next(tokens) for _ in range(n)]))
+    return covered
+
+
+@CATCH_UP_SETTINGS
+@given(
+    case=spec_decode_cases(max_requests=4),
+    forward_tokens=st.integers(1, 9),
+    budget=st.sampled_from([0, 3]),
+    mixed=st.booleans(),
+    data=st.data(),
+)
+def test_every_catch_up_forward_replays_at_most_the_prefill_forward_size(
+    case, forward_tokens, budget, mixed, data
+):
+    """Flushes (with and without a budget), the resume and a mixed step's catch-up run
+    in draft forwards of whole gaps within ``forward_tokens`` (one request alone where
+    its gap is larger), replay every position decoded plain once, in order, and the
+    resume still hands every request fresh draft state."""
+    steps = data.draw(st.integers(1, min(12, case.reserve)), label="steps")
+    made = build_spec_decode_batch(case)
+    batch = made.batch
+    catch_up, passes, reports = draft_catch_up(made, case, capacity=4)
+    catch_up.flush_tokens, catch_up.forward_tokens = budget, forward_tokens
+    start = batch.seq_lens.tolist()
+    logged = plain_steps(catch_up, batch, steps, torch.Generator().manual_seed(case.seed % 2**31))
+    bs = case.batch_size
+    if mixed:  # every request decoding in a mixed step: one token each (its pending token)
+        step = copy.copy(batch)
+        step.decoding_reqs = list(batch.reqs)
+        step.extend_lens = [1] * bs
+        step.prefix_lens = batch.seq_lens.tolist()
+        step.input_ids = batch.spec_info.bonus_tokens.clone()
+        catch_up.before_extend_step(step)
+    else:
+        catch_up.before_speculative_step(batch)
+
+    for call in passes.calls:
+        ext = call[1]
+        assert ext.extend_num_tokens <= forward_tokens or len(ext.reqs) == 1, (
+            ext.extend_lens,
+            forward_tokens,
+        )
+    assert all(tokens <= forward_tokens or requests == 1 for _, requests, tokens in reports), reports
+    covered = _replayed(passes.calls)
+    for r, req in enumerate(batch.reqs):
+        positions, tokens = [], []
+        for prefix, got in covered[req.rid]:
+            positions += range(prefix, prefix + len(got))
+            tokens += got
+        assert positions == list(range(start[r], start[r] + steps))
+        assert tokens == [int(logged[s][0][r]) for s in range(steps)]
+    final = [call for call in passes.calls if call[0] == "extend"]
+    if not mixed and final:
+        # Each request's draft state comes from its own forward's last position.
+        assert (batch.spec_info.topk_index == 7).all() and (batch.spec_info.hidden_states == -1).all()
+        tails = torch.cat([call[3] for call in final]).tolist()
+        resumed = [req.rid for call in final for req in call[1].reqs]
+        pending = dict(zip([req.rid for req in batch.reqs], batch.spec_info.bonus_tokens.tolist()))
+        assert tails == [pending[rid] for rid in resumed]
+
+
 @CATCH_UP_SETTINGS
 @given(case=spec_decode_cases(max_requests=4))
 def test_a_prefill_drops_the_logs_of_its_requests(case):

@@ -164,8 +164,8 @@ def eagle3_draft_kv(tiny_models, tmp_path_factory):
     return outputs, dumps_by_tokens(root)
 
 
-def run_dynamic_with_dumps(tiny_models, tmp_path, env, buffer):
-    args = dynamic_args(tiny_models, buffer)
+def run_dynamic_with_dumps(tiny_models, tmp_path, env, buffer, extra=()):
+    args = dynamic_args(tiny_models, buffer, extra=extra)
     outputs, counters = outputs_and_counters(
         args, tmp_path / "server.log", {**env, DUMP_DIR_ENV: str(tmp_path)}, KV_WAVES
     )
@@ -177,20 +177,34 @@ def run_dynamic_with_dumps(tiny_models, tmp_path, env, buffer):
 # through the side stream's bookkeeping (on the CPU the work runs in order: the device
 # side of SGLANG_DYNSPEC_FLUSH_STREAM is checked on the H200).
 FLUSH_IN_PIECES_ENV = {**OVERLAP_CI_ENV, FLUSH_TOKENS_ENV: str(2 * BUFFER), FLUSH_STREAM_ENV: "1"}
+# SGLang's prefill forwards of at most 5 tokens: every catch-up forward then holds one
+# request's gap (a flush of six gaps of 4 runs as six forwards, a resume of two as two).
+SMALL_PREFILL = 5
+FORWARDS_OF_ONE_GAP_ENV = dict(OVERLAP_CI_ENV)
 
 
 @pytest.mark.parametrize(
     "scheduler_env",
-    [CI_ENV, OVERLAP_CI_ENV, FLUSH_IN_PIECES_ENV],
-    ids=["sync", "overlap", "overlap-flushes-in-pieces-on-a-side-stream"],
+    [CI_ENV, OVERLAP_CI_ENV, FLUSH_IN_PIECES_ENV, FORWARDS_OF_ONE_GAP_ENV],
+    ids=[
+        "sync",
+        "overlap",
+        "overlap-flushes-in-pieces-on-a-side-stream",
+        "overlap-catch-up-forwards-within-the-chunked-prefill-size",
+    ],
 )
 def test_draft_kv_after_catch_up_equals_always_speculating(
     tiny_models, eagle3_draft_kv, tmp_path, scheduler_env
 ):
     reference_outputs, reference_kv = eagle3_draft_kv
     reads = tmp_path / "host-reads"
+    small = scheduler_env is FORWARDS_OF_ONE_GAP_ENV
     outputs, counters, kv = run_dynamic_with_dumps(
-        tiny_models, tmp_path, {**scheduler_env, HOST_READS_ENV: str(reads)}, BUFFER
+        tiny_models,
+        tmp_path,
+        {**scheduler_env, HOST_READS_ENV: str(reads)},
+        BUFFER,
+        extra=["--chunked-prefill-size", SMALL_PREFILL] if small else (),
     )
 
     assert outputs == reference_outputs
@@ -198,6 +212,13 @@ def test_draft_kv_after_catch_up_equals_always_speculating(
     # The flushes left out the draft's last MLP (compat.MlpAtRows), and the KV rows below
     # still equal EAGLE3's: the MLP does not feed the draft KV.
     assert FLUSH_WITHOUT_LAST_MLP in (tmp_path / "server.log").read_text()
+    if small:
+        assert (
+            f"each catch-up forward replays at most {SMALL_PREFILL} positions"
+            in (tmp_path / "server.log").read_text()
+        )
+        # One gap (at most BUFFER positions) per forward; unsplit, a flush is 6 x 4.
+        assert counters.catch_up_tokens <= BUFFER * sum(counters.catch_ups.values()), counters
     if scheduler_env is FLUSH_IN_PIECES_ENV:  # in pieces of two logs: 8 positions, not 6 x 4
         assert counters.catch_up_tokens <= 2 * BUFFER * sum(counters.catch_ups.values()), counters
         assert (
