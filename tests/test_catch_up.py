@@ -400,6 +400,26 @@ def test_a_full_log_is_flushed_into_the_draft_kv_before_the_next_plain_step(case
     assert [catch_up.log.gap[i] for i in batch.req_pool_indices.tolist()] == [1] * bs  # the new gaps
 
 
+def assert_every_plain_position_replayed_once(calls, batch, start: list[int], logged) -> None:
+    """Across the draft passes' ``calls``, every position each request of ``batch``
+    decoded plain (from ``start``, one per logged step) was replayed once, in order,
+    with the token logged there."""
+    covered = {req.rid: [] for req in batch.reqs}  # (first position, tokens) of each replay
+    for call in calls:
+        ext = call[1]
+        tokens = iter(ext.input_ids.tolist())
+        for req, prefix, n in zip(ext.reqs, ext.prefix_lens, ext.extend_lens):
+            covered[req.rid].append((prefix, [next(tokens) for _ in range(n)]))
+    steps = len(logged)
+    for r, req in enumerate(batch.reqs):
+        positions, tokens = [], []
+        for prefix, got in covered[req.rid]:
+            positions += range(prefix, prefix + len(got))
+            tokens += got
+        assert positions == list(range(start[r], start[r] + steps))
+        assert tokens == [int(logged[s][0][r]) for s in range(steps)]
+
+
 @CATCH_UP_SETTINGS
 @given(case=spec_decode_cases(max_requests=4), budget=st.integers(1, 7), data=st.data())
 def test_a_flush_budget_replays_every_position_once_in_pieces(case, budget, data):
@@ -415,20 +435,7 @@ def test_a_flush_budget_replays_every_position_once_in_pieces(case, budget, data
     catch_up.before_speculative_step(batch)
 
     bs = case.batch_size
-    covered = {req.rid: [] for req in batch.reqs}  # (first position, tokens) of each replay
-    for call in passes.calls:
-        ext = call[1]
-        tokens = iter(ext.input_ids.tolist())
-        for req, prefix, n in zip(ext.reqs, ext.prefix_lens, ext.extend_lens):
-            covered[req.rid].append((prefix, [next(tokens) for _ in range(n)]))
-    for r, req in enumerate(batch.reqs):
-        positions, tokens = [], []
-        for prefix, got in covered[req.rid]:
-            positions += range(prefix, prefix + len(got))
-            tokens += got
-        # Every position decoded plain, once, in order, with the token logged there.
-        assert positions == list(range(start[r], start[r] + steps))
-        assert tokens == [int(logged[s][0][r]) for s in range(steps)]
+    assert_every_plain_position_replayed_once(passes.calls, batch, start, logged)
     flushes = [tokens for reason, _, tokens in reports if reason is CatchUpReason.BUFFER_FULL]
     assert all(t <= max(budget, 4) for t in flushes), (flushes, budget)  # a full log is 4
     assert [reason for reason, _, _ in reports][-1:] == (
@@ -454,17 +461,6 @@ def test_gap_rows_split_into_consecutive_groups_within_the_forward_size(gaps, ma
     # Greedy: no group could have taken the next request too.
     for group, after in zip(groups, groups[1:]):
         assert group.num_tokens + after.gaps[0] > max_tokens
-
-
-def _replayed(calls) -> dict[str, list[tuple[int, list[int]]]]:
-    """(first position, tokens) of each replay of each request, by rid, in order."""
-    covered: dict[str, list] = {}
-    for call in calls:
-        ext = call[1]
-        tokens = iter(ext.input_ids.tolist())
-        for req, prefix, n in zip(ext.reqs, ext.prefix_lens, ext.extend_lens):
-            covered.setdefault(req.rid, []).append((prefix, [next(tokens) for _ in range(n)]))
-    return covered
 
 
 @CATCH_UP_SETTINGS
@@ -507,14 +503,7 @@ def test_every_catch_up_forward_replays_at_most_the_prefill_forward_size(
             forward_tokens,
         )
     assert all(tokens <= forward_tokens or requests == 1 for _, requests, tokens in reports), reports
-    covered = _replayed(passes.calls)
-    for r, req in enumerate(batch.reqs):
-        positions, tokens = [], []
-        for prefix, got in covered[req.rid]:
-            positions += range(prefix, prefix + len(got))
-            tokens += got
-        assert positions == list(range(start[r], start[r] + steps))
-        assert tokens == [int(logged[s][0][r]) for s in range(steps)]
+    assert_every_plain_position_replayed_once(passes.calls, batch, start, logged)
     final = [call for call in passes.calls if call[0] == "extend"]
     if not mixed and final:
         # Each request's draft state comes from its own forward's last position.
