@@ -71,6 +71,9 @@ KV_WAVES = [LONG + SHORT]
 # so no step mixed.
 MIX_DECODING = random_requests(4, seed=41, prefix="mixdec", new_tokens=(200, 200))
 MIX_JOINING = random_requests(3, seed=42, prefix="mixjoin", prompt_len=(40, 70), new_tokens=(20, 20))
+# The second wave goes as one batched request (run_waves(batched=True)): sent as six
+# concurrent posts, a full suite run on two loaded cores once saw them reach the
+# scheduler so far apart that no step held more than three, so nothing ran plain.
 COUNT_WAVES = [
     random_requests(1, seed=31, prefix="alone", new_tokens=(30, 30)),
     random_requests(2, seed=32, prefix="long", new_tokens=(60, 60))
@@ -356,7 +359,9 @@ def test_draft_kv_with_mixed_chunks_equals_always_speculating(tiny_models, tmp_p
 
 def counting_run(tiny_models, tmp_path, env, buffer):
     args = dynamic_args(tiny_models, buffer, "count", steps=1, draft_tokens=2)
-    outputs, counters = outputs_and_counters(args, tmp_path / "server.log", env, COUNT_WAVES)
+    outputs, counters = outputs_and_counters(
+        args, tmp_path / "server.log", env, workload=lambda url: run_waves(url, COUNT_WAVES, batched=True)
+    )
     assert counters.switches_to_plain >= 1 and counters.switches_to_spec >= 1, counters
     prompts = {r.rid: r.input_ids for wave in COUNT_WAVES for r in wave}
     for rid, ids in outputs.items():

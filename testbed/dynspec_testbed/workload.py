@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from dynspec_testbed.server import generate, generate_concurrently
+from dynspec_testbed.server import generate, generate_batch, generate_concurrently
 
 
 @dataclass(frozen=True)
@@ -81,15 +81,22 @@ def waves_of(sizes: Sequence[int], *, seed: int, prefix: str = "w", **kwargs) ->
     return split_into_waves(random_requests(sum(sizes), seed=seed, prefix=prefix, **kwargs), sizes)
 
 
-def run_waves(url: str, waves: Sequence[Sequence[Request]], on_wave=None) -> dict[str, dict]:
+def run_waves(
+    url: str, waves: Sequence[Sequence[Request]], on_wave=None, *, batched: bool = False
+) -> dict[str, dict]:
     """Send each wave concurrently, one wave after another; responses by request id.
 
     ``on_wave(index, wave)`` is called after each wave completes (the demo uses it
-    to read the server's mode counters between waves).
+    to read the server's mode counters between waves). ``batched``: each wave as one
+    batched request (``generate_batch``), so that its requests reach the scheduler
+    together, for tests that need a wave's requests to decode side by side.
     """
     results: dict[str, dict] = {}
     for index, wave in enumerate(waves):
-        responses = generate_concurrently(url, [r.kwargs() for r in wave], concurrency=len(wave))
+        if batched:
+            responses = generate_batch(url, [r.kwargs() for r in wave])
+        else:
+            responses = generate_concurrently(url, [r.kwargs() for r in wave], concurrency=len(wave))
         results.update({r.rid: resp for r, resp in zip(wave, responses)})
         if on_wave is not None:
             on_wave(index, wave)
