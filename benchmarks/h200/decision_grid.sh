@@ -31,7 +31,7 @@ source benchmarks/h200/lib.sh  # SHAPE picks the models
 export SGLANG_SIMULATE_ACC_LEN=$ACC
 RESULTS=$OUT/h200-decision-$(date -u +%Y%m%d)-$ROW.jsonl
 SPEC=("${EAGLE_ARGS[@]}" --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)
-BENCH=(--url "$URL" --prompt-len "$PROMPT" --output-len 256 --no-progress --tag hw=H200 --tag "shape=$SHAPE_TAG"
+BENCH=(--url "$URL" --prompt-len "$PROMPT" --output-len 256 --no-progress --tag "hw=$HW_TAG" --tag "shape=$SHAPE_TAG"
        --tag "acc_len=$ACC" --tag "row=$ROW" --tag "plugin_commit=${PLUGIN_COMMIT:-unknown}")
 mkdir -p "$OUT/logs"
 

@@ -18,6 +18,10 @@ COMMON_ARGS=(--model-path "$MODEL" --load-format dummy --skip-tokenizer-init
   --attention-backend triton --sampling-backend pytorch --grammar-backend none
   --host 127.0.0.1 --port "$PORT" --mem-fraction-static 0.7 --max-running-requests 128
   --cuda-graph-max-bs 128)
+# The card, for the results' hw tag: the device lends H100s as well as H200s, and a row
+# labelled with the wrong card would be compared with the wrong files.
+HW_TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr -c 'A-Za-z0-9.\n-' _)
+HW_TAG=${HW_TAG:-unknown-gpu}
 EAGLE_ARGS=(--speculative-draft-model-path "$DRAFT" --speculative-draft-load-format dummy)
 
 # start_server NAME [extra server args...]: starts, waits for /health; returns 1 if it died.

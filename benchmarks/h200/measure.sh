@@ -21,7 +21,7 @@ DAY=$(date -u +%Y%m%d)
 RESULTS=${RESULTS:-$OUT/h200-$DAY.jsonl}
 SPEC=("${EAGLE_ARGS[@]}" --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)
 # PLUGIN_COMMIT=<git sha> tags every row with the plugin code that was measured.
-COMMON_BENCH=(--url "$URL" --prompt-len 256 --output-len 256 --no-progress --tag hw=H200
+COMMON_BENCH=(--url "$URL" --prompt-len 256 --output-len 256 --no-progress --tag "hw=$HW_TAG"
               --tag "shape=$SHAPE_TAG" --tag "acc_len=$SGLANG_SIMULATE_ACC_LEN"
               --tag "plugin_commit=${PLUGIN_COMMIT:-unknown}")
 

@@ -34,7 +34,7 @@ source benchmarks/h200/lib.sh  # SHAPE picks the models
 export SGLANG_SIMULATE_ACC_LEN=${ACC:-3.0}
 RESULTS=$OUT/h200-offstate-attr-$(date -u +%Y%m%d)-$SHAPE.jsonl
 SPEC=("${EAGLE_ARGS[@]}" --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)
-BENCH=(--url "$URL" --prompt-len 256 --output-len 256 --no-progress --tag hw=H200 --tag "shape=$SHAPE_TAG"
+BENCH=(--url "$URL" --prompt-len 256 --output-len 256 --no-progress --tag "hw=$HW_TAG" --tag "shape=$SHAPE_TAG"
        --tag "acc_len=$SGLANG_SIMULATE_ACC_LEN" --tag "plugin_commit=${PLUGIN_COMMIT:-unknown}")
 PROF_ROOT=$(cd "$OUT" && pwd)/prof
 mkdir -p "$OUT/logs" "$PROF_ROOT"
