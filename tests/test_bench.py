@@ -358,6 +358,22 @@ async def _one_request(url, output_len, **kw):
         return await client.stream_generate(session, url + "/generate", payload)
 
 
+def test_idle_connections_are_dropped_before_sglang_closes_them():
+    """A pooled connection idle longer than SGLang's keep-alive is closed by the
+    server; reusing one just then fails the request (a sweep ended so). The
+    client must drop idle connections first, by a margin."""
+    from sglang.srt.environ import envs
+
+    server_keep_alive_s = envs.SGLANG_TIMEOUT_KEEP_ALIVE.get()
+    assert client.IDLE_CONNECTION_S <= server_keep_alive_s / 2
+
+    async def connector_keepalive():
+        async with client.create_session(30) as session:
+            return session.connector._keepalive_timeout
+
+    assert asyncio.run(connector_keepalive()) == client.IDLE_CONNECTION_S
+
+
 @pytest.mark.parametrize(
     "incremental,skip_tokenizer_init",
     [(False, False), (True, False), (False, True), (True, True)],

@@ -11,9 +11,9 @@
 #   PLUGIN_COMMIT: the plugin commit measured (tags every line)
 #   SGLANG_DYNSPEC_COST_CACHE: where the dynamic server keeps its start-up step-cost
 #     table; a table carried from an earlier call shows the cache hit on a restart.
-# Results: $OUT/h200-decision-YYYYMMDD-$ROW.jsonl, one line per point (kind sweep_point:
-# config, concurrency, repeat, output_tok_s, itl_p99_ms, decode_steps_spec/plain, ...),
-# one per server start (kind server_start: start_s) and one for the dynamic server's
+# Results: $OUT/$CARD-decision-YYYYMMDD-$ROW.jsonl (CARD h100, h200 or gpu: lib.sh), one
+# line per point (kind sweep_point: config, concurrency, repeat, output_tok_s, itl_p99_ms,
+# decode_steps_spec/plain, ...), one per server start (kind server_start: start_s) and one for the dynamic server's
 # step-cost table (kind startup_costs: seconds, cache_hit); server logs in $OUT/logs.tar.xz.
 set -u
 source .gpu/device-env.sh || exit 1
@@ -29,7 +29,7 @@ case $ROW in
 esac
 source benchmarks/h200/lib.sh  # SHAPE picks the models
 export SGLANG_SIMULATE_ACC_LEN=$ACC
-RESULTS=$OUT/h200-decision-$(date -u +%Y%m%d)-$ROW.jsonl
+RESULTS=$OUT/$CARD-decision-$(date -u +%Y%m%d)-$ROW.jsonl
 SPEC=("${EAGLE_ARGS[@]}" --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)
 BENCH=(--url "$URL" --prompt-len "$PROMPT" --output-len 256 --no-progress --tag "hw=$HW_TAG" --tag "shape=$SHAPE_TAG"
        --tag "acc_len=$ACC" --tag "row=$ROW" --tag "plugin_commit=${PLUGIN_COMMIT:-unknown}")

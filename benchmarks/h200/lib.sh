@@ -22,6 +22,8 @@ COMMON_ARGS=(--model-path "$MODEL" --load-format dummy --skip-tokenizer-init
 # labelled with the wrong card would be compared with the wrong files.
 HW_TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr -c 'A-Za-z0-9.\n-' _)
 HW_TAG=${HW_TAG:-unknown-gpu}
+# The card's short name for results files (h100-decision-..., h200-offstate-...).
+case $HW_TAG in *H100*) CARD=h100 ;; *H200*) CARD=h200 ;; *) CARD=gpu ;; esac
 EAGLE_ARGS=(--speculative-draft-model-path "$DRAFT" --speculative-draft-load-format dummy)
 
 # start_server NAME [extra server args...]: starts, waits for /health; returns 1 if it died.

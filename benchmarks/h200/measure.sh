@@ -10,7 +10,7 @@
 # Usage (on the device, repo root):
 #   CONFIGS="baseline eagle3 dynamic" bash benchmarks/h200/measure.sh
 #   CONFIGS="adaptive" RAMP_CONFIGS="dynamic baseline" bash benchmarks/h200/measure.sh
-# Results: $OUT/h200-YYYYMMDD.jsonl (sweeps), $OUT/ramp-YYYYMMDD.jsonl (ramp).
+# Results: $OUT/$CARD-YYYYMMDD.jsonl (sweeps; CARD h100, h200 or gpu), $OUT/ramp-YYYYMMDD.jsonl (ramp).
 set -u
 source .gpu/device-env.sh || exit 1
 # SHAPE=3b measures the Llama-3.2-3B-shaped pair instead (lib.sh picks the models).
@@ -18,7 +18,7 @@ SHAPE=${SHAPE:-8b}
 source benchmarks/h200/lib.sh
 export SGLANG_SIMULATE_ACC_LEN=${ACC_LEN:-3.0}   # read only by speculative verify
 DAY=$(date -u +%Y%m%d)
-RESULTS=${RESULTS:-$OUT/h200-$DAY.jsonl}
+RESULTS=${RESULTS:-$OUT/$CARD-$DAY.jsonl}
 SPEC=("${EAGLE_ARGS[@]}" --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)
 # PLUGIN_COMMIT=<git sha> tags every row with the plugin code that was measured.
 COMMON_BENCH=(--url "$URL" --prompt-len 256 --output-len 256 --no-progress --tag "hw=$HW_TAG"

@@ -6,7 +6,7 @@
 #
 # Per server:
 #   1. the decode sweep at C=64,128 (REPEATS, closed loop with 2xC requests, 256/256),
-#      rows in $OUT/h200-offstate-attr-YYYYMMDD-$SHAPE.jsonl (bench sweep: output tok/s,
+#      rows in $OUT/$CARD-offstate-attr-YYYYMMDD-$SHAPE.jsonl (bench sweep: output tok/s,
 #      ITL p50/p99, TTFT, and the dynamic server's steps per mode and catch-ups);
 #   2. prefill only (output 1 token, 8xC requests at C=64): the EAGLE-3 prefill path's
 #      cost beside the baseline's, with no decode step at all (kind prefill_only);
@@ -32,7 +32,7 @@ source .gpu/device-env.sh || exit 1
 SHAPE=${SHAPE:-8b}
 source benchmarks/h200/lib.sh  # SHAPE picks the models
 export SGLANG_SIMULATE_ACC_LEN=${ACC:-3.0}
-RESULTS=$OUT/h200-offstate-attr-$(date -u +%Y%m%d)-$SHAPE.jsonl
+RESULTS=$OUT/$CARD-offstate-attr-$(date -u +%Y%m%d)-$SHAPE.jsonl
 SPEC=("${EAGLE_ARGS[@]}" --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)
 BENCH=(--url "$URL" --prompt-len 256 --output-len 256 --no-progress --tag "hw=$HW_TAG" --tag "shape=$SHAPE_TAG"
        --tag "acc_len=$SGLANG_SIMULATE_ACC_LEN" --tag "plugin_commit=${PLUGIN_COMMIT:-unknown}")

@@ -141,16 +141,27 @@ def make_payloads(
     return [make_payload(make_prompt(rng, prompt_len, text, token_range), output_len) for _ in range(n)]
 
 
+# How long an idle pooled connection may be reused. SGLang's HTTP server closes a
+# connection after 5 s idle (SGLANG_TIMEOUT_KEEP_ALIVE); aiohttp keeps one for 15 s by
+# default, so a request could take a connection the server was closing at that moment
+# and fail with ServerDisconnectedError. That ended a sweep on 2026-12-06
+# (benchmarks/results/h100-20261206-47ce381/README.md): after a 128-request point, a 5 s
+# point left 127 connections idle just past 5 s when the next point took four of them.
+IDLE_CONNECTION_S = 2.0
+
+
 def create_session(read_timeout_s: float) -> aiohttp.ClientSession:
     """One session for the whole run.
 
     ``limit=0``: aiohttp's default connector allows only 100 concurrent
     connections, which would silently cap a concurrency-128 point.
+    ``keepalive_timeout``: idle connections are dropped well before the server
+    drops them (:data:`IDLE_CONNECTION_S`).
     ``sock_read`` (not ``total``) bounds how long a stream may stay silent, so
     long generations are fine but a wedged server is detected.
     """
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0),
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_CONNECTION_S),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=read_timeout_s),
         # Larger than the 64 KiB default so a briefly busy client does not
         # push back on the server through TCP flow control (bench_serving
