@@ -13,8 +13,9 @@
 #     table; a table carried from an earlier call shows the cache hit on a restart.
 # Results: $OUT/$CARD-decision-YYYYMMDD-$ROW.jsonl (CARD h100, h200 or gpu: lib.sh), one
 # line per point (kind sweep_point: config, concurrency, repeat, output_tok_s, itl_p99_ms,
-# decode_steps_spec/plain, ...), one per server start (kind server_start: start_s) and one for the dynamic server's
-# step-cost table (kind startup_costs: seconds, cache_hit); server logs in $OUT/logs.tar.xz.
+# decode_steps_spec/plain, ...), one per server start (kind server_start: start_s) and one
+# for the dynamic server's step-cost table (kind startup_costs: seconds, cache_hit); server
+# logs in $OUT/logs.tar.xz.
 set -u
 source .gpu/device-env.sh || exit 1
 ROW=${ROW:?set ROW}
