@@ -7,7 +7,11 @@
 # speculative verify only): a speed check, never an output check.
 #
 # Usage (on the device, repo root):  ROW=8b-acc3 bash benchmarks/h200/decision_grid.sh
-#   ROW: 8b-acc2 | 8b-acc3 | 8b-acc4 | 3b-acc3 | 8b-p2048-acc3
+#   ROW: 8b-acc2 | 8b-acc3 | 8b-acc4 | 3b-acc3 | 8b-p2048-acc3, or issue 19's
+#     offstate-8b | offstate-3b (C=1,8,64,128, 3 repeats; results $CARD-offstate-...)
+#   CONFIGS: the servers, in order (default: baseline eagle3 dynamic); also dynamic-tN
+#     (catch-up buffer N), dynamic-splitkv, dynamic-prefill-verify, dynamic-grouped
+#   C, REPEATS, WAVES: override the row's sweep
 #   PLUGIN_COMMIT: the plugin commit measured (tags every line)
 #   SGLANG_DYNSPEC_COST_CACHE: where the dynamic server keeps its start-up step-cost
 #     table; a table carried from an earlier call shows the cache hit on a restart.
@@ -26,11 +30,22 @@ case $ROW in
   3b-acc3) SHAPE=3b ACC=3.0 PROMPT=256 ;;
   # At prompt 2048 two waves per point do not fit one call (the EAGLE-3 sweep alone took 250 s).
   8b-p2048-acc3) SHAPE=8b ACC=3.0 PROMPT=2048 WAVES=${WAVES:-1} ;;
-  *) echo "ROW must be one of 8b-acc2 8b-acc3 8b-acc4 3b-acc3 8b-p2048-acc3, got $ROW" >&2; exit 2 ;;
+  # Issue 19's off-state rows: C=1 and 8 against EAGLE-3, 64 and 128 against the baseline,
+  # 3 repeats, 4xC requests on the 3B shape (its points are short). ACC (default 3.0, the
+  # issue's) at 2.0 puts the dynamic server in plain mode from C=48 (2026-12-04 grid).
+  offstate-8b | offstate-3b) SHAPE=${ROW#offstate-} ACC=${ACC:-3.0} PROMPT=256 KIND=offstate
+    C=${C:-1,8,64,128} REPEATS=${REPEATS:-3}
+    [ "$SHAPE" = 3b ] && WAVES=${WAVES:-4} ;;
+  *) echo "ROW must be one of 8b-acc2 8b-acc3 8b-acc4 3b-acc3 8b-p2048-acc3 offstate-8b offstate-3b, got $ROW" >&2
+     exit 2 ;;
 esac
 source benchmarks/h200/lib.sh  # SHAPE picks the models
 export SGLANG_SIMULATE_ACC_LEN=$ACC
-RESULTS=$OUT/$CARD-decision-$(date -u +%Y%m%d)-$ROW.jsonl
+if [ "${KIND:-decision}" = offstate ]; then
+  RESULTS=$OUT/$CARD-offstate-$(date -u +%Y%m%d)-$SHAPE$([ "$ACC" = 3.0 ] || echo "-acc$ACC").jsonl
+else
+  RESULTS=$OUT/$CARD-decision-$(date -u +%Y%m%d)-$ROW.jsonl
+fi
 SPEC=("${EAGLE_ARGS[@]}" --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)
 BENCH=(--url "$URL" --prompt-len "$PROMPT" --output-len 256 --no-progress --tag "hw=$HW_TAG" --tag "shape=$SHAPE_TAG"
        --tag "acc_len=$ACC" --tag "row=$ROW" --tag "plugin_commit=${PLUGIN_COMMIT:-unknown}")
@@ -43,6 +58,10 @@ server_args() {
     baseline) echo --enable-metrics ;;
     eagle3) echo --speculative-algorithm EAGLE3 "${SPEC[@]}" --enable-metrics ;;
     dynamic) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
+    # dynamic-tN: the catch-up buffer at N positions per request (issue 19: 384 holds a
+    # 256-token request's whole plain phase, so it never flushes).
+    dynamic-t[0-9]*) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics \
+      --speculative-catch-up-tokens "${1#dynamic-t}" ;;
     # The target's verify attention through SGLang's split-KV kernel (issue 20; the default
     # since the commit after 8c5c7b8, named for results measured before) or its prefill kernel,
     # or through the grouped-head kernel first (SGLANG_DYNSPEC_GROUPED_VERIFY).
