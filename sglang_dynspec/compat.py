@@ -340,6 +340,8 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
     HostSymbols(TritonAttnBackend, ("verify_splitkv_fwd", "num_kv_head")),
     HostSymbols(grouped_verify, ("verify_shared_kv_fwd", "VerifyMLA", "MAX_N_SPLITS", "block_config")),
     HostSymbols(grouped_verify.VerifyMLA, ("_alloc", "att_out")),
+    # ... and the per-head kernel's split count by batch size (per_head_verify_splits_by_batch).
+    HostSymbols(verify_splitkv, ("can_handle", "_get_vk")),
     HostSymbols(LogitsMetadata, ("forward_mode",)),
     # Step-cost calibration: the synthetic decode batch and the limits of the grid
     # (synthetic_decode_batch, synthetic_batch_limits, decode_graph_batch_sizes).
@@ -508,6 +510,115 @@ def with_float32_partials(verify_class: type) -> type:
 Float32PartialsGroupedVerify = with_float32_partials(grouped_verify.VerifyMLA)
 
 
+# The per-head kernel's split count (SGLANG_DYNSPEC_SPLIT_KV_SPLITS_BY_BATCH). SGLang picks
+# it from kv_indices.shape[0] / batch size, the mean prefix only where the index buffer
+# holds just the batch's rows: a captured verify graph's buffer is sized for every request
+# at the longest context, so every replay ran 16 splits. In CUDA-graph replay on the H100
+# (8B attention shape, 32 layers; benchmarks/results/h100-20261205-a5a50b8/splitkv.jsonl,
+# split_kv_graph_indices_in_graph against split_kv_in_graph) 16 splits were slower than
+# 4 at every prefix from batch 64 up and at prefixes to 1024 at batch 16, and faster only
+# at batch 1-16 with long prefixes. The batch size is static in a graph, so the count
+# follows it: the most splits (SGLang's bounds, powers of two) that keep stage 1 near
+# this many programs.
+SPLIT_KV_PROGRAMS = 4096
+
+
+def split_kv_splits(batch_size: int, query_heads: int) -> int:
+    """The per-head split-KV kernel's split count for a verify of ``batch_size`` requests:
+    a power of two in SGLang's ``[MIN_N_SPLITS, MAX_N_SPLITS]``, the largest with
+    ``batch_size * query_heads * splits <= SPLIT_KV_PROGRAMS`` (the smallest if none)."""
+    cap = min(verify_splitkv.MAX_N_SPLITS, SPLIT_KV_PROGRAMS // max(1, batch_size * query_heads))
+    splits = verify_splitkv.MIN_N_SPLITS
+    while splits * 2 <= cap:
+        splits *= 2
+    return splits
+
+
+def per_head_verify_splits_by_batch(
+    q_extend,
+    k_extend,
+    v_extend,
+    o_extend,
+    k_buffer,
+    v_buffer,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    custom_mask,
+    is_causal,
+    mask_indptr,
+    max_len_extend,
+    k_scale,
+    v_scale,
+    sm_scale=None,
+    logit_cap=0.0,
+    skip_prefix_custom_mask=True,
+    sliding_window_size=-1,
+    sinks=None,
+    window_kv_offsets=None,
+    xai_temperature_len=-1,
+    max_bs=None,
+) -> bool:
+    """SGLang's ``verify_splitkv_fwd`` (same arguments, same result: True if it wrote
+    ``o_extend``, False for a shape the backend must send to its prefill kernel) with the
+    split count from :func:`split_kv_splits` instead of the index buffer's length. Reads
+    only shapes and Python values, as SGLang's does: it runs inside the verify graph."""
+    if not verify_splitkv.can_handle(
+        q_extend,
+        k_extend,
+        v_extend,
+        k_buffer,
+        v_buffer,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        custom_mask,
+        is_causal,
+        mask_indptr,
+        max_len_extend,
+        sliding_window_size=sliding_window_size,
+        sinks=sinks,
+        logit_cap=logit_cap,
+        xai_temperature_len=xai_temperature_len,
+    ):
+        return False
+    bs = qo_indptr.shape[0] - 1
+    h_q, head_dim = q_extend.shape[1], q_extend.shape[2]
+    if sm_scale is None:
+        sm_scale = 1.0 / head_dim**0.5
+    scales = []
+    for scale in (k_scale, v_scale):  # a float or a 0-d tensor, as SGLang coerces them
+        try:
+            scales.append(float(scale))
+        except (TypeError, ValueError):
+            scales.append(1.0)
+    kernel = verify_splitkv._get_vk(
+        max(max_bs or bs, bs),
+        h_q,
+        k_extend.shape[1],
+        head_dim,
+        v_extend.shape[2],
+        int(max_len_extend),
+        q_extend.device,
+        n_splits=split_kv_splits(bs, h_q),
+    )
+    kernel(
+        q_extend,
+        k_extend.contiguous(),
+        v_extend.contiguous(),
+        k_buffer,
+        v_buffer,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        sm_scale,
+        o_out=o_extend,
+        k_scale=scales[0],
+        v_scale=scales[1],
+    )
+    return True
+
+
 class GroupedThenPerHead:
     """A target triton backend's ``verify_splitkv_fwd``: the grouped-head kernel
     (``grouped_verify.verify_shared_kv_fwd``) where it serves the verify's shape, else
@@ -575,12 +686,17 @@ def _target_triton_backends(spec_worker) -> list:
 
 
 def use_split_kv_verify(
-    spec_worker, gather: Callable[[Any], list] | None = None, grouped: bool = False
+    spec_worker,
+    gather: Callable[[Any], list] | None = None,
+    grouped: bool = False,
+    splits_by_batch: bool = False,
 ) -> VerifyAttention:
     """Route the target's TARGET_VERIFY attention through SGLang's split-KV verify kernel
     (``TritonAttnBackend.use_verify_splitkv``, which SGLang sets only on AMD gfx95), and
     with ``grouped`` through the grouped-head kernel first (:class:`GroupedThenPerHead`
-    in the backend's ``verify_splitkv_fwd`` slot).
+    in the backend's ``verify_splitkv_fwd`` slot); with ``splits_by_batch`` the per-head
+    kernel splits each prefix by :func:`split_kv_splits`
+    (:func:`per_head_verify_splits_by_batch` in that slot, behind the grouped kernel).
 
     Call after the target's attention backends exist and before its CUDA graphs are
     captured (``EAGLEWorkerV2.init_attention_backends``): a captured verify graph keeps
@@ -637,6 +753,8 @@ def use_split_kv_verify(
         grouped_verify.VerifyMLA = Float32PartialsGroupedVerify
     for backend in backends:
         backend.use_verify_splitkv = True
+        if splits_by_batch and not isinstance(backend.verify_splitkv_fwd, GroupedThenPerHead):
+            backend.verify_splitkv_fwd = torch.compiler.disable(per_head_verify_splits_by_batch)
         if grouped and not isinstance(backend.verify_splitkv_fwd, GroupedThenPerHead):
             backend.verify_splitkv_fwd = GroupedThenPerHead(backend.verify_splitkv_fwd)
     if any(backend.enable_deterministic for backend in backends):
@@ -645,25 +763,45 @@ def use_split_kv_verify(
             "set, but --enable-deterministic-inference runs SGLang's deterministic extend kernel "
             "before it, so the verify keeps that kernel",
         )
-    kernel = (
-        "the grouped-head verify kernel (a KV head's keys read once for its query heads), SGLang's "
-        "per-head split-KV kernel (verify_splitkv.py) for the shapes it declines,"
+    per_head = (
+        "SGLang's per-head split-KV kernel (verify_splitkv.py)"
         if grouped
         else "SGLang's split-KV verify kernel (verify_splitkv.py)"
+    )
+    if splits_by_batch:
+        per_head += (
+            f" with {verify_splitkv.MIN_N_SPLITS}-{verify_splitkv.MAX_N_SPLITS} splits per prefix by batch size "
+            f"(about {SPLIT_KV_PROGRAMS} programs)"
+        )
+    kernel = (
+        "the grouped-head verify kernel (a KV head's keys read once for its query heads), "
+        f"{per_head} for the shapes it declines,"
+        if grouped
+        else per_head
     )
     return VerifyAttention(True, f"{kernel} on the target, up to {scratch}")
 
 
 def verify_attention_kernel(spec_worker) -> str:
     """``"grouped-split-kv"`` or ``"split-kv"`` if the target's verify runs a split-KV
-    kernel, else ``"sglang"`` (its default); part of the step-cost cache key: the kernel
-    sets a speculative step's cost."""
+    kernel (``-splits-by-batch`` added where the per-head kernel's split count follows the
+    batch size), else ``"sglang"`` (its default); part of the step-cost cache key: the
+    kernel sets a speculative step's cost."""
     backends = [b for b in _target_triton_backends(spec_worker) if b.use_verify_splitkv]
     if not backends:
         return "sglang"
-    if any(isinstance(b.verify_splitkv_fwd, GroupedThenPerHead) for b in backends):
-        return "grouped-split-kv"
-    return "split-kv"
+    slots = [b.verify_splitkv_fwd for b in backends]
+    grouped = [s for s in slots if isinstance(s, GroupedThenPerHead)]
+    per_head = [s.per_head if isinstance(s, GroupedThenPerHead) else s for s in slots]
+    name = "grouped-split-kv" if grouped else "split-kv"
+    if any(_is_splits_by_batch(s) for s in per_head):
+        name += "-splits-by-batch"
+    return name
+
+
+def _is_splits_by_batch(slot) -> bool:
+    # torch.compiler.disable wraps the function; the wrapper keeps it as __wrapped__.
+    return getattr(slot, "__wrapped__", slot) is per_head_verify_splits_by_batch
 
 
 def _recapture_if_owning_decode_graph(runner, recapture: Callable[[], None]) -> Callable[[], None]:

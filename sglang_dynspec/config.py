@@ -223,6 +223,12 @@ SPLIT_KV_VERIFY_ENV = "SGLANG_DYNSPEC_SPLIT_KV_VERIFY"
 # 4.5 of a 13.9 ms step at C=64 on the H200 (benchmarks/results/h200-20261204c-8c5c7b8/).
 # Off until a device call has timed it.
 GROUPED_VERIFY_ENV = "SGLANG_DYNSPEC_GROUPED_VERIFY"
+# 1 (with the split-KV verify): SGLang's per-head split-KV kernel splits each prefix into a
+# count chosen by the batch size (compat.split_kv_splits) instead of SGLang's, which reads
+# the index buffer's length and so ran 16 splits in every CUDA-graph replay, where 4 were
+# 1.5x faster at batch 64 and 128 (compat.SPLIT_KV_PROGRAMS says where that was measured).
+# 0: SGLang's count (an A/B).
+SPLITS_BY_BATCH_ENV = "SGLANG_DYNSPEC_SPLIT_KV_SPLITS_BY_BATCH"
 # Where the start-up step-cost tables are cached (cost_cache); "off" disables the cache.
 COST_CACHE_ENV = "SGLANG_DYNSPEC_COST_CACHE"
 
@@ -330,6 +336,8 @@ class Settings:
     split_kv_verify: bool = _set_by(SPLIT_KV_VERIFY_ENV)
     # True: the split-KV verify through the grouped-head kernel first
     grouped_verify: bool = _set_by(GROUPED_VERIFY_ENV)
+    # True: the per-head split-KV kernel's split count by batch size, not SGLang's
+    splits_by_batch: bool = _set_by(SPLITS_BY_BATCH_ENV)
     # False: plain steps run eagerly (saves the graph's memory)
     plain_cuda_graph: bool = _set_by(PLAIN_CUDA_GRAPH_ENV)
     # True: per-request step modes in meta_info (REQUEST_MODES_KEY)
@@ -458,6 +466,7 @@ def settings_from_environ(environ: Mapping[str, str] = os.environ) -> Settings:
         flush_stream=env_bool(FLUSH_STREAM_ENV, False, environ),
         split_kv_verify=split_kv,
         grouped_verify=grouped,
+        splits_by_batch=env_bool(SPLITS_BY_BATCH_ENV, True, environ),
         penalties=penalties_from_environ(environ),
         plain_cuda_graph=env_bool(PLAIN_CUDA_GRAPH_ENV, True, environ),
         request_modes=env_bool(REQUEST_MODES_ENV, False, environ),

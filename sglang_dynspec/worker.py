@@ -83,12 +83,16 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
         super().init_attention_backends()
         if not self.settings.split_kv_verify:
             return
-        verify = compat.use_split_kv_verify(self, grouped=self.settings.grouped_verify)
+        verify = compat.use_split_kv_verify(
+            self, grouped=self.settings.grouped_verify, splits_by_batch=self.settings.splits_by_batch
+        )
         if self._first_rank:
             log = logger.warning if verify.warning else logger.info
             names = config.SPLIT_KV_VERIFY_ENV
             if self.settings.grouped_verify:
                 names += f", {config.GROUPED_VERIFY_ENV}"
+            if self.settings.splits_by_batch and verify.split_kv:
+                names += f", {config.SPLITS_BY_BATCH_ENV}"
             log("[sglang-dynspec] target verify attention (%s): %s", names, verify.note)
 
     def init_cuda_graphs(self):

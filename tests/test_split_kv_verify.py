@@ -162,6 +162,54 @@ def test_the_per_head_kernel_runs_only_what_the_grouped_kernel_declines(monkeypa
     assert calls == expected
 
 
+def test_splits_by_batch_puts_the_plugins_per_head_dispatch_in_every_backends_slot():
+    prefill, decode = _triton_backend(), _triton_backend()
+    worker = _worker(prefill, decode)
+    verify = compat.use_split_kv_verify(worker, gather=_one_rank, splits_by_batch=True)
+    assert verify.split_kv and "by batch size" in verify.note
+    for backend in (prefill, decode):
+        assert backend.verify_splitkv_fwd.__wrapped__ is compat.per_head_verify_splits_by_batch
+    assert compat.verify_attention_kernel(worker) == "split-kv-splits-by-batch"
+
+
+def test_splits_by_batch_with_the_grouped_kernel_serves_what_the_grouped_kernel_declines():
+    backend = _triton_backend()
+    worker = _worker(backend)
+    compat.use_split_kv_verify(worker, gather=_one_rank, grouped=True, splits_by_batch=True)
+    assert isinstance(backend.verify_splitkv_fwd, compat.GroupedThenPerHead)
+    assert backend.verify_splitkv_fwd.per_head.__wrapped__ is compat.per_head_verify_splits_by_batch
+    assert compat.verify_attention_kernel(worker) == "grouped-split-kv-splits-by-batch"
+    compat.use_split_kv_verify(worker, gather=_one_rank, grouped=True, splits_by_batch=True)
+    assert backend.verify_splitkv_fwd.per_head.__wrapped__ is compat.per_head_verify_splits_by_batch
+
+
+def test_the_split_count_rule_over_every_batch_size_and_head_count():
+    lowest, highest = compat.verify_splitkv.MIN_N_SPLITS, compat.verify_splitkv.MAX_N_SPLITS
+    for heads in (1, 2, 4, 8, 14, 24, 28, 32, 40, 64, 128):
+        previous = highest
+        for bs in range(1, 4097):
+            splits = compat.split_kv_splits(bs, heads)
+            assert lowest <= splits <= highest and splits & (splits - 1) == 0, (bs, heads, splits)
+            assert splits <= previous, ("more splits for a larger batch", bs, heads)
+            previous = splits
+            # The largest count within the program budget (the smallest if none is).
+            assert splits == lowest or bs * heads * splits <= compat.SPLIT_KV_PROGRAMS, (bs, heads)
+            assert splits == highest or bs * heads * splits * 2 > compat.SPLIT_KV_PROGRAMS, (bs, heads)
+
+
+def test_the_split_count_at_the_8b_targets_heads_is_what_the_h100_timings_favour():
+    """benchmarks/results/h100-20261205-a5a50b8/splitkv.jsonl, in-graph: 16 splits paid at
+    batch 1 with long prefixes; 4 were faster from batch 64 at every prefix (and at
+    batch 16 up to prefix 1024)."""
+    assert [compat.split_kv_splits(bs, 32) for bs in (1, 8, 16, 32, 64, 128)] == [16, 16, 8, 4, 4, 4]
+
+
+@pytest.mark.parametrize("raw, expected", [(None, True), ("1", True), ("0", False), ("off", False)])
+def test_splits_by_batch_is_on_by_default(raw, expected):
+    environ = {} if raw is None else {config.SPLITS_BY_BATCH_ENV: raw}
+    assert config.settings_from_environ(environ).splits_by_batch is expected
+
+
 def test_an_mla_target_keeps_sglangs_kernel():
     backend = _triton_backend(mla=True)
     verify = compat.use_split_kv_verify(_worker(backend), gather=_one_rank, grouped=True)
@@ -300,7 +348,9 @@ def test_the_grouped_verify_without_the_split_kv_verify_is_refused_naming_both()
     assert config.GROUPED_VERIFY_ENV in message and config.SPLIT_KV_VERIFY_ENV in message
 
 
-@pytest.mark.parametrize("name", [config.SPLIT_KV_VERIFY_ENV, config.GROUPED_VERIFY_ENV])
+@pytest.mark.parametrize(
+    "name", [config.SPLIT_KV_VERIFY_ENV, config.GROUPED_VERIFY_ENV, config.SPLITS_BY_BATCH_ENV]
+)
 def test_a_bad_value_names_the_variable(name):
     with pytest.raises(config.ConfigError, match=name):
         config.settings_from_environ({name: "fast"})
@@ -369,7 +419,20 @@ _KERNEL_SCRIPT = textwrap.dedent(
             module._VMLA_CACHE.clear()
         return install, module.verify_shared_kv_fwd
 
-    kernels = {"sglang": per_head(SGLANGS), "plugin": per_head(compat.ZeroedSplitKVScratch)}
+    def splits_by_batch(programs):
+        def install():
+            per_head(compat.ZeroedSplitKVScratch)[0]()
+            compat.SPLIT_KV_PROGRAMS = programs
+        return install, compat.per_head_verify_splits_by_batch
+
+    kernels = {
+        "sglang": per_head(SGLANGS),
+        "plugin": per_head(compat.ZeroedSplitKVScratch),
+        # The split count by batch size: as configured, and with so few programs that
+        # every case takes SGLang's smallest count.
+        "plugin-splits-by-batch": splits_by_batch(compat.SPLIT_KV_PROGRAMS),
+        "plugin-splits-by-batch-fewest": splits_by_batch(1),
+    }
     from sglang_dynspec import verify_grouped_kernel as copy
     modules = {"copy": copy}
     if compat.grouped_verify is not copy:  # SGLang ships it (0.5.23)
@@ -406,6 +469,7 @@ _KERNEL_SCRIPT = textwrap.dedent(
             mask_indptr[1:] = torch.cumsum(torch.tensor([draft * (n + draft) for n in prefix_lens]), 0)
             scale = d ** -0.5
             split, prefill = torch.empty_like(q), torch.empty_like(q)
+            verify_splitkv._VK_CACHE.clear()
             ran = kernel(
                 q, k, v, split, kb, vb, qo_indptr, kv_indptr, kv_indices, torch.cat(masks), True,
                 mask_indptr, draft, 1.0, 1.0, scale, max_bs=bs,
@@ -417,6 +481,9 @@ _KERNEL_SCRIPT = textwrap.dedent(
             ref = reference(q, k, v, kb, vb, prefix_lens, kv_indices, draft, scale)
             results[name].append({
                 "ran": ran,
+                # The per-head kernel's split counts this call used (its cache's keys).
+                "splits": sorted(key[-1] for key in verify_splitkv._VK_CACHE),
+                "split_kv_programs": compat.SPLIT_KV_PROGRAMS,
                 "split_vs_prefill": worst(split, prefill),
                 "split_vs_reference": worst(split, ref),
                 "prefill_vs_reference": worst(prefill, ref),
@@ -450,14 +517,14 @@ def kernel_results() -> dict[str, list[dict]]:
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(out.stdout.strip().splitlines()[-1])
     grouped = {"copy"} | ({"sglang"} if compat.grouped_verify.__name__.startswith("sglang.") else set())
-    expected = {"sglang", "plugin"}
+    expected = {"sglang", "plugin", "plugin-splits-by-batch", "plugin-splits-by-batch-fewest"}
     for where in grouped:
         expected |= {f"grouped-{where}", f"grouped-{where}-bf16-partials"}
     assert {name: len(r) for name, r in results.items()} == {name: len(KERNEL_CASES) for name in expected}
     return results
 
 
-PLUGIN_KERNELS = ["plugin", "grouped-copy"] + (
+PLUGIN_KERNELS = ["plugin", "plugin-splits-by-batch", "plugin-splits-by-batch-fewest", "grouped-copy"] + (
     ["grouped-sglang"] if compat.grouped_verify.__name__.startswith("sglang.") else []
 )
 
@@ -472,6 +539,24 @@ def test_split_kv_verify_computes_the_prefill_kernels_attention(kernel_results, 
         # float32 accumulation in both kernels; the reference is float64 (None: NaN).
         for key in ("split_vs_reference", "prefill_vs_reference", "split_vs_prefill"):
             assert result[key] is not None and result[key] < 1e-5, (case, key, result)
+
+
+def test_the_split_count_follows_the_batch_size_not_the_index_buffer(kernel_results):
+    """SGLang's count comes from the index buffer's length over the batch size: 4 for
+    these short prefixes, 16 with a captured graph's long buffer (case 2). The plugin's
+    follows the batch size alone, in the same kernel, whatever the buffer."""
+    assert [r["splits"] for r in kernel_results["plugin"]] == [[4], [4], [16], [4]]
+    for name in ("plugin-splits-by-batch", "plugin-splits-by-batch-fewest"):
+        for case, result in zip(KERNEL_CASES, kernel_results[name]):
+            programs = result["split_kv_programs"]
+            bs = len(case["prefix_lens"])
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(compat, "SPLIT_KV_PROGRAMS", programs)
+                assert result["splits"] == [compat.split_kv_splits(bs, case["hq"])], (name, case)
+    assert {r["splits"][0] for r in kernel_results["plugin-splits-by-batch"]} == {16}
+    assert {r["splits"][0] for r in kernel_results["plugin-splits-by-batch-fewest"]} == {
+        compat.verify_splitkv.MIN_N_SPLITS
+    }
 
 
 def test_the_grouped_kernels_bf16_partials_are_why_the_plugin_keeps_them_in_float32(kernel_results):
@@ -536,13 +621,13 @@ def test_a_server_with_the_split_kv_verify_serves_the_non_speculative_tokens(
     text = log.read_text()
     if kernel == "grouped":
         assert (
-            "(SGLANG_DYNSPEC_SPLIT_KV_VERIFY, SGLANG_DYNSPEC_GROUPED_VERIFY): the grouped-head verify kernel"
-            in text
+            "(SGLANG_DYNSPEC_SPLIT_KV_VERIFY, SGLANG_DYNSPEC_GROUPED_VERIFY, "
+            "SGLANG_DYNSPEC_SPLIT_KV_SPLITS_BY_BATCH): the grouped-head verify kernel" in text
         )
         assert GROUPED_VERIFY_RAN in text and SPLIT_KV_RAN not in text
     else:
         assert (
-            "(SGLANG_DYNSPEC_SPLIT_KV_VERIFY): SGLang's split-KV verify kernel (verify_splitkv.py) on the target"
-            in text
+            "(SGLANG_DYNSPEC_SPLIT_KV_VERIFY, SGLANG_DYNSPEC_SPLIT_KV_SPLITS_BY_BATCH): SGLang's split-KV "
+            "verify kernel (verify_splitkv.py) with 4-16 splits per prefix by batch size" in text
         )
         assert SPLIT_KV_RAN in text and GROUPED_VERIFY_RAN not in text

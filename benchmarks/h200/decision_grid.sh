@@ -65,7 +65,7 @@ server_args() {
     # The target's verify attention through SGLang's split-KV kernel (issue 20; the default
     # since the commit after 8c5c7b8, named for results measured before) or its prefill kernel,
     # or through the grouped-head kernel first (SGLANG_DYNSPEC_GROUPED_VERIFY).
-    dynamic-splitkv | dynamic-prefill-verify | dynamic-grouped) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
+    dynamic-splitkv | dynamic-prefill-verify | dynamic-grouped | dynamic-sglang-splits) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
   esac
 }
 
@@ -73,10 +73,15 @@ jsonl() { python3 -c "import json,sys; print(json.dumps(dict(a.split('=',1) for 
 
 for cfg in ${CONFIGS:-baseline eagle3 dynamic}; do
   t0=$SECONDS
+  unset SGLANG_DYNSPEC_SPLIT_KV_SPLITS_BY_BATCH
   case $cfg in
     dynamic-splitkv) export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=1 SGLANG_DYNSPEC_GROUPED_VERIFY=0 ;;
     dynamic-prefill-verify) export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=0 SGLANG_DYNSPEC_GROUPED_VERIFY=0 ;;
     dynamic-grouped) export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=1 SGLANG_DYNSPEC_GROUPED_VERIFY=1 ;;
+    # The per-head kernel with SGLang's split count (16 in every graph replay), the A/B of
+    # SGLANG_DYNSPEC_SPLIT_KV_SPLITS_BY_BATCH (on by default).
+    dynamic-sglang-splits) export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=1 SGLANG_DYNSPEC_GROUPED_VERIFY=0 \
+      SGLANG_DYNSPEC_SPLIT_KV_SPLITS_BY_BATCH=0 ;;
     *) unset SGLANG_DYNSPEC_SPLIT_KV_VERIFY SGLANG_DYNSPEC_GROUPED_VERIFY ;;
   esac
   # shellcheck disable=SC2046

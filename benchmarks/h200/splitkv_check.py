@@ -5,7 +5,9 @@ Per (batch size, prefix length): bf16 queries, keys and values at random, a pool
 rows in random order (as the allocator hands them out), the chain mask the backend
 passes with topk 1, and both kernels as ``TritonAttnBackend.forward_extend`` calls them;
 the split-KV kernel also with the index buffer of a captured CUDA graph (longer than the
-batch's prefixes: it picks 16 splits from that length). Prints one JSON line per point:
+batch's prefixes: it picks 16 splits from that length), and through the plugin's dispatch
+with the split count by batch size (``split_kv_by_batch``, graph buffer;
+``SGLANG_DYNSPEC_SPLIT_KV_SPLITS_BY_BATCH``). Prints one JSON line per point:
 the largest difference between the two outputs and against a float32 reference, and
 each kernel's time per call and per verify of all layers (``LAYERS``, default 32),
 called eagerly (``*_ms``) and replayed from a CUDA graph (``*_in_graph_ms``).
@@ -77,7 +79,7 @@ def point(bs: int, prefix: int) -> dict:
     mask = one.flatten().repeat(bs)
     mask_indptr = torch.arange(0, (bs + 1) * DRAFT * (prefix + DRAFT), DRAFT * (prefix + DRAFT), device=dev)
     scale = D**-0.5
-    split, graph_split, prefill, grouped, grouped_bf16 = (torch.empty_like(q) for _ in range(5))
+    split, graph_split, prefill, grouped, grouped_bf16, by_batch = (torch.empty_like(q) for _ in range(6))
 
     def kernel_args(out, indices):  # the two kernels take the same positional arguments
         return (
@@ -102,6 +104,9 @@ def point(bs: int, prefix: int) -> dict:
     def run_split(out, indices):
         return lambda: verify_splitkv.verify_splitkv_fwd(*kernel_args(out, indices), max_bs=128)
 
+    def run_by_batch():  # the plugin's split count by batch size, with a graph's index buffer
+        return compat.per_head_verify_splits_by_batch(*kernel_args(by_batch, graph_indices), max_bs=128)
+
     def run_prefill():
         extend_attention_fwd(*kernel_args(prefill, kv_indices))
 
@@ -115,7 +120,7 @@ def point(bs: int, prefix: int) -> dict:
             *kernel_args(out, graph_indices), max_bs=128
         )
 
-    assert run_split(split, kv_indices)() and run_split(graph_split, graph_indices)()
+    assert run_split(split, kv_indices)() and run_split(graph_split, graph_indices)() and run_by_batch()
     run_prefill()
     grouped_bf16_run = run_grouped(grouped_bf16, BF16_PARTIALS)
     assert grouped_bf16_run()
@@ -134,6 +139,7 @@ def point(bs: int, prefix: int) -> dict:
         timed("prefill_kernel", run_prefill)
         timed("split_kv", run_split(split, kv_indices))
         timed("split_kv_graph_indices", run_split(graph_split, graph_indices))
+        timed("split_kv_by_batch", run_by_batch)
         timed("grouped", grouped_run)
         run_grouped(grouped_bf16, BF16_PARTIALS)  # its own scratch again, for its time
         timed("grouped_bf16", grouped_bf16_run)
@@ -143,6 +149,8 @@ def point(bs: int, prefix: int) -> dict:
         "split_vs_prefill": (split.float() - prefill.float()).abs().max().item(),
         "graph_split_vs_prefill": (graph_split.float() - prefill.float()).abs().max().item(),
         "split_vs_reference": (split.float() - ref).abs().max().item(),
+        "by_batch_splits": compat.split_kv_splits(bs, HQ),
+        "by_batch_vs_reference": (by_batch.float() - ref).abs().max().item(),
         "prefill_vs_reference": (prefill.float() - ref).abs().max().item(),
         "grouped_vs_reference": (grouped.float() - ref).abs().max().item(),
         "grouped_bf16_vs_reference": (grouped_bf16.float() - ref).abs().max().item(),
