@@ -790,18 +790,14 @@ def verify_attention_kernel(spec_worker) -> str:
     backends = [b for b in _target_triton_backends(spec_worker) if b.use_verify_splitkv]
     if not backends:
         return "sglang"
+    # The per-head slot, behind the grouped kernel where it is installed; torch.compiler.disable
+    # keeps the function it wraps as __wrapped__.
     slots = [b.verify_splitkv_fwd for b in backends]
-    grouped = [s for s in slots if isinstance(s, GroupedThenPerHead)]
-    per_head = [s.per_head if isinstance(s, GroupedThenPerHead) else s for s in slots]
-    name = "grouped-split-kv" if grouped else "split-kv"
-    if any(_is_splits_by_batch(s) for s in per_head):
+    per_head = [getattr(s, "per_head", s) for s in slots]
+    name = "grouped-split-kv" if any(isinstance(s, GroupedThenPerHead) for s in slots) else "split-kv"
+    if any(getattr(s, "__wrapped__", s) is per_head_verify_splits_by_batch for s in per_head):
         name += "-splits-by-batch"
     return name
-
-
-def _is_splits_by_batch(slot) -> bool:
-    # torch.compiler.disable wraps the function; the wrapper keeps it as __wrapped__.
-    return getattr(slot, "__wrapped__", slot) is per_head_verify_splits_by_batch
 
 
 def _recapture_if_owning_decode_graph(runner, recapture: Callable[[], None]) -> Callable[[], None]:
