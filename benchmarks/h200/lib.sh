@@ -44,6 +44,18 @@ start_server() {
   echo "{\"server\": \"$name\", \"up\": true, \"start_s\": $((SECONDS - t0))}"
 }
 
+# closed_loop CONFIG C PROMPT OUTPUT REQUESTS FILE: one closed-loop point against $URL, REQUESTS
+# requests of PROMPT tokens and OUTPUT tokens each, C in flight; its record (output_tok_s, ITL
+# and TTFT percentiles, steps per mode) is appended to FILE. The plugin's own bench client,
+# whose connector has no cap: the shared harness's .gpu/client.py uses aiohttp's default of 100
+# connections, so its "C=128" points ran 100 requests at a time (the servers' logs of
+# h100-20261206b-0043f33 show #running-req 100).
+closed_loop() {
+  python3 -m sglang_dynspec.bench sweep --url "$URL" --config "$1" --concurrency "$2" \
+    --prompt-len "$3" --output-len "$4" --requests-per-point "$5" --repeats 1 --warmup 0 \
+    --no-progress --tag "hw=$HW_TAG" --out "$6"
+}
+
 # stop_server: stops the last server started; does nothing once it is stopped, or if none was.
 stop_server() {
   [ -n "${SERVER_PID:-}" ] || return 0

@@ -4,7 +4,7 @@
 #
 # For each of $CONFIGS (default: baseline dynamic dynamic-t0):
 #   1. start the server (shape $MODEL, default the Llama-3.2-3B-shaped target);
-#   2. run the sweep at $C (default 64,128; REQ_PER_C requests per concurrency) and
+#   2. run the sweep at $C (default 64,128; 2xC requests per concurrency, lib.sh's closed_loop) and
 #      print the plugin's catch-up metrics;
 #   3. for $PROFILE_CONFIGS (default: baseline dynamic), run a closed-loop load at
 #      $PROFILE_C (default 64) in the background and, once it is steady, ask SGLang's
@@ -34,11 +34,11 @@ PROF_ROOT=$(cd "$OUT" && pwd)
 for cfg in ${CONFIGS:-baseline dynamic dynamic-t0}; do
   # shellcheck disable=SC2046
   start_server "$cfg" $(server_args "$cfg") || continue
-  python3 .gpu/client.py "$URL" "${C:-64,128}" 256 256 | sed -u "s/^/{\"cfg\": \"$cfg\", \"r\": /; s/\$/}/" | tee -a "$OUT/results.jsonl"
+  for c in $(echo "${C:-64,128}" | tr , " "); do closed_loop "$cfg" "$c" 256 256 $((2 * c)) "$OUT/results.jsonl"; done
   curl -s "$URL/metrics" | grep -E "spec_dynamic_(catch_up_seconds_(sum|count)|catch_up_tokens_total|decode_steps_total|catch_up_total)" | grep -v "^#"
   # Profile after the sweep: exporting the trace stalls the scheduler for seconds.
   case " ${PROFILE_CONFIGS-baseline dynamic} " in *" $cfg "*)
-    REQ_PER_C=4 python3 .gpu/client.py "$URL" "$PROFILE_C" 256 256 > /dev/null &
+    closed_loop "$cfg" "$PROFILE_C" 256 256 $((4 * PROFILE_C)) "$OUT/profile-load.jsonl" > /dev/null &
     LOAD=$!
     sleep "${PROFILE_WAIT_S:-4}"
     curl -s -X POST "$URL/start_profile" -H 'Content-Type: application/json' \

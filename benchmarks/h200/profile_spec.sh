@@ -11,7 +11,8 @@
 # `step[DRAFT_EXTEND ..]` ..., the GPU span, the kernel time inside it and the period; the GPU's
 # busy share; the kernel time outside every step annotation, where the draft's decode graph
 # replays land if SGLang does not annotate them) into $OUT/profiles-spec.md, then deleted (too
-# large to bring back); the load's own tok/s go to $OUT/profile-spec.jsonl.
+# large to bring back); the load's own record (lib.sh's closed_loop: output tok/s, ITL, steps
+# per mode) goes to $OUT/profile-spec.jsonl.
 # The bound each phase is measured against is in issue 20 (≈ 4.5-6 ms for a step at C=64).
 # Usage (on the device, repo root, carry .gpu): bash benchmarks/h200/profile_spec.sh
 #   e.g. CONFIGS=eagle3 POINTS="64:256" PROFILE_STEPS=60 bash benchmarks/h200/profile_spec.sh
@@ -63,8 +64,7 @@ for cfg in ${CONFIGS:-baseline eagle3}; do
   for point in ${POINTS:-16:256 64:256 128:256 64:1024}; do
     c=${point%%:*} prompt=${point#*:}
     dir=$PROF_ROOT/$cfg-c$c-p$prompt
-    REQ_PER_C=8 python3 .gpu/client.py "$URL" "$c" "$prompt" 256 \
-      | sed -u "s/^/{\"config\": \"$cfg\", \"prompt_len\": $prompt, \"r\": /; s/\$/}/" >> "$OUT/profile-spec.jsonl" &
+    closed_loop "$cfg" "$c" "$prompt" 256 $((8 * c)) "$OUT/profile-spec.jsonl" > /dev/null 2>> "$OUT/logs/load.err" &
     load=$!
     sleep "${PROFILE_WAIT_S:-4}"
     curl -s -X POST "$URL/start_profile" -H 'Content-Type: application/json' \
