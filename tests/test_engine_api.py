@@ -15,6 +15,7 @@ import sys
 import textwrap
 
 import pytest
+from torch._inductor.runtime import cache_dir_utils as inductor_cache_dir
 
 from dynspec_testbed.serve import server_environment
 
@@ -58,6 +59,10 @@ def test_engine_api_switches_and_matches_non_speculative(tiny_models, tmp_path):
         SGLANG_DYNSPEC_DISABLE_BATCH_THRESHOLD="2",
         SGLANG_DYNSPEC_MIN_DWELL_STEPS="0",
         SGLANG_IS_IN_CI="1",
+        # SGLang names its ZeroMQ sockets with files it leaves in the temporary directory:
+        # the engines' one is this test's (torch's compile cache stays where it was).
+        TMPDIR=str(tmp_path),
+        TORCHINDUCTOR_CACHE_DIR=env.get("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir.default_cache_dir()),
     )
     models = {k: str(v) for k, v in tiny_models.items()}
     log = tmp_path / "engine.log"

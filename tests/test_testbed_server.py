@@ -100,6 +100,11 @@ def test_agree_pair_accepts_every_draft(tiny_models, tmp_path):
     ) as server:
         results = _generate_all(server.url)
         assert_no_kv_left(server.url)
+        # SGLang names its ZeroMQ sockets with files in the server's temporary directory,
+        # which is the server's own and goes with it.
+        temp_dir = server.temp_dir
+        assert temp_dir is not None and any(temp_dir.iterdir()), temp_dir
+    assert not temp_dir.exists()
 
     for result in results:
         assert result["output_ids"] == [AGREE_TOKEN] * NEW_TOKENS

@@ -17,16 +17,21 @@ shares (``ReferenceServers``) and the check that no KV is left once idle
 (``assert_no_kv_left``).
 
 ``CpuServer`` starts ``python -m dynspec_testbed.serve`` in its own process
-group on a free 127.0.0.1 port and stops the whole group on exit, so no scheduler
-process outlives the block. An idle SGLang scheduler keeps a CPU core busy: on a
-small machine run one server at a time.
+group on a free 127.0.0.1 port, with a temporary directory of its own, and on exit
+stops the whole group and removes that directory, so no scheduler process and none of
+the files SGLang leaves in the temporary directory outlive the block (its ZeroMQ
+socket names are ``NamedTemporaryFile(delete=False)`` files, six per server, and the
+test suite starts about two hundred servers). An idle SGLang scheduler keeps a CPU core
+busy: on a small machine run one server at a time.
 """
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +39,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+from torch._inductor.runtime import cache_dir_utils as inductor_cache_dir
 
 from dynspec_testbed.plugin import OVERLAP_ENV
 from dynspec_testbed.serve import MODULE, server_environment
@@ -110,6 +116,11 @@ class CpuServer:
         # cached by an earlier server (another test, another run, timed under other
         # load) would carry that server's timing into this one.
         self._env = server_environment({COST_CACHE_ENV: "off", **os.environ, **(env or {})})
+        # The server's TMPDIR is its own (see the module docstring); torch's compile cache
+        # stays where it would be without that (torch puts it under the temporary
+        # directory), so that servers keep sharing what earlier ones compiled.
+        self._env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir.default_cache_dir())
+        self.temp_dir: Path | None = None
         self._startup_timeout = startup_timeout
         self._stop_timeout = stop_timeout
         self._process: subprocess.Popen | None = None
@@ -141,11 +152,12 @@ class CpuServer:
 
     def _start_once(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="dynspec-server-"))
         started = time.monotonic()
         with open(self.log_path, "wb") as log:
             self._process = subprocess.Popen(
                 self.command,
-                env=self._env,
+                env={**self._env, "TMPDIR": str(self.temp_dir)},
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -201,8 +213,10 @@ class CpuServer:
 
     def stop(self) -> None:
         """SIGTERM the process group, SIGKILL what is left after ``stop_timeout``,
-        and wait until no process of the group remains. Idempotent."""
+        wait until no process of the group remains, and remove the server's
+        temporary directory. Idempotent."""
         if self._process is None:
+            self._remove_temp_dir()
             return
         group = self._process.pid  # session leader: its pid is the group id
         _signal_group(group, signal.SIGTERM)
@@ -215,6 +229,12 @@ class CpuServer:
             _wait_group_gone(group, timeout=self._stop_timeout)
         self._process.wait()
         self._process = None
+        self._remove_temp_dir()
+
+    def _remove_temp_dir(self) -> None:
+        if self.temp_dir is not None:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            self.temp_dir = None
 
 
 def _free_port() -> int:
