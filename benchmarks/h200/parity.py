@@ -20,6 +20,10 @@ not test what it claims), or if the candidate carries no step modes.
 ``update URL PATH [--recapture]`` loads new weights with SGLang's
 ``/update_weights_from_disk`` (the test bed's ``target-update``), so that the same
 comparison can show that plain steps after an update use the new weights.
+``update-tensor URL PATH`` sends the same weights through ``/update_weights_from_tensor``
+(issue 21 §4): this process reads PATH's safetensors onto the GPU and serializes them
+the way SGLang's ``Engine.update_weights_from_tensor`` does (CUDA IPC handles, one
+payload per tensor-parallel rank); the server copies them into its parameters.
 ``benchmarks/h200/parity.sh`` runs the servers and these commands on the H200.
 """
 
@@ -58,6 +62,34 @@ def update(url: str, path: str, recapture: bool) -> None:
         timeout=600,
     )
     print(json.dumps({"update": path, "recapture_cuda_graph": recapture, **response.json()}))
+    response.raise_for_status()
+
+
+def update_from_tensor(url: str, path: str, tp_size: int = 1) -> None:
+    # Imported here: only this command needs torch, safetensors and SGLang.
+    import torch
+    from safetensors.torch import load_file
+    from sglang.srt.utils.common import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    monkey_patch_torch_reductions()  # the device by UUID, as the server's side expects
+    named_tensors = [
+        (name, tensor.to("cuda"))
+        for file in sorted(Path(path).glob("*.safetensors"))
+        for name, tensor in load_file(file).items()
+    ]
+    if not named_tensors:
+        raise SystemExit(f"no safetensors in {path}")
+    payload = MultiprocessingSerializer.serialize(named_tensors, output_str=True)
+    # The tensors stay alive (named_tensors) until the server has answered: it opens
+    # their CUDA IPC handles while it loads them.
+    response = httpx.post(
+        f"{url}/update_weights_from_tensor",
+        json={"serialized_named_tensors": [payload] * tp_size},
+        timeout=600,
+    )
+    torch.cuda.synchronize()
+    print(json.dumps({"update_from_tensor": path, "tensors": len(named_tensors), **response.json()}))
     response.raise_for_status()
 
 
@@ -113,6 +145,11 @@ def main(argv=None) -> int:
     p_upd.add_argument("url")
     p_upd.add_argument("path")
     p_upd.add_argument("--recapture", action="store_true", help="recapture_cuda_graph=True")
+    p_ten = sub.add_parser(
+        "update-tensor", help="send the weights in PATH through /update_weights_from_tensor"
+    )
+    p_ten.add_argument("url")
+    p_ten.add_argument("path")
     p_cmp = sub.add_parser("compare", help="compare a candidate's responses with a reference's")
     p_cmp.add_argument("reference", type=Path)
     p_cmp.add_argument("candidate", type=Path)
@@ -125,6 +162,9 @@ def main(argv=None) -> int:
         return 0
     if args.command == "update":
         update(args.url, args.path, args.recapture)
+        return 0
+    if args.command == "update-tensor":
+        update_from_tensor(args.url, args.path)
         return 0
     summary = compare(json.loads(args.reference.read_text()), json.loads(args.candidate.read_text()))
     print(json.dumps({"label": args.label, **summary}))

@@ -33,6 +33,20 @@ pack() {
 }
 on_exit pack
 metrics() { curl -s "$URL/metrics" | grep -E "spec_dynamic_(decode_steps|switches|catch_ups|plain_graph_steps)_total" | grep -v "^#"; }
+# graph_steps BEFORE AFTER LABEL: the plain-graph step counter between two metric dumps;
+# fails when plain steps ran but none replayed the graph (the graph was dropped).
+graph_steps() {
+  python3 - "$@" <<'EOF'
+import json, re, sys
+def counter(path, name):
+    return sum(float(v) for v in re.findall(rf"^sglang:spec_dynamic_{name}_total\S* ([0-9.e+]+)$",
+                                             open(path).read(), re.M))
+before, after, label = sys.argv[1:4]
+graph = counter(after, "plain_graph_steps") - counter(before, "plain_graph_steps")
+print(json.dumps({"label": label, "plain_graph_steps_after": graph}))
+sys.exit(0 if graph > 0 else 1)
+EOF
+}
 
 start_server baseline "${TINY[@]}" || exit 1
 python3 $P run "$URL" "$OUT/baseline.json" && python3 $P run "$URL" "$OUT/baseline-at-once.json" --waves 200
@@ -48,6 +62,12 @@ for sched in ${SCHEDULERS:-overlap sync}; do
   SGLANG_DYNSPEC_REQUEST_MODES=1 start_server "dynamic-$sched" "${TINY[@]}" "${DYNAMIC[@]}" "${extra[@]}" || exit 1
   python3 $P run "$URL" "$OUT/dynamic-$sched.json"
   metrics | tee "$OUT/metrics-dynamic-$sched.txt"
+  # Issue 21 §4: the same new weights through /update_weights_from_tensor, which copies
+  # them into the parameters' storage, so the plain graph must stay and keep replaying.
+  python3 $P update-tensor "$URL" "$M/target-update" && python3 $P run "$URL" "$OUT/dynamic-$sched-tensor.json"
+  metrics | tee "$OUT/metrics-dynamic-$sched-tensor.txt"
+  graph_steps "$OUT/metrics-dynamic-$sched.txt" "$OUT/metrics-dynamic-$sched-tensor.txt" "$sched, tensor update" \
+    || status=1
   python3 $P update "$URL" "$M/target-update" && python3 $P run "$URL" "$OUT/dynamic-$sched-updated.json"
   metrics | tee "$OUT/metrics-dynamic-$sched-updated.txt"
   python3 $P update "$URL" "$M/target-update" --recapture && python3 $P run "$URL" "$OUT/dynamic-$sched-recaptured.json"
@@ -55,7 +75,7 @@ for sched in ${SCHEDULERS:-overlap sync}; do
   stop_server
   python3 $P compare "$OUT/baseline.json" "$OUT/dynamic-$sched.json" --modes --label "EAGLE3_DYNAMIC, $sched" \
     || status=1
-  for phase in updated recaptured; do
+  for phase in tensor updated recaptured; do
     python3 $P compare "$OUT/baseline-updated.json" "$OUT/dynamic-$sched-$phase.json" --modes \
       --label "EAGLE3_DYNAMIC, $sched, $phase weights" || status=1
   done
