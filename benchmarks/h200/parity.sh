@@ -6,9 +6,11 @@
 # EAGLE3_DYNAMIC (threshold 8, no dwell) with the overlap scheduler and with the
 # synchronous one, each with per-request step modes on (SGLANG_DYNSPEC_REQUEST_MODES=1).
 # Then each server loads new weights for the target (the test bed's target-update, with
-# /update_weights_from_disk; the dynamic servers first without recapturing CUDA graphs, then
-# the same weights again with recapture) and serves the workload again: plain-only requests
-# after the update must equal the updated baseline's, so plain steps read the new weights.
+# /update_weights_from_disk; the dynamic servers first through /update_weights_from_tensor,
+# then from disk without recapturing CUDA graphs, then the same weights again with recapture)
+# and serves the workload again: plain-only requests after the update must equal the updated
+# baseline's, so plain steps read the new weights. Updates that copy into the parameters'
+# storage (tensor and disk here) must leave the plain graph replaying (issue 21 §4).
 # benchmarks/h200/parity.py sends the requests and compares; its JSON lines are the result.
 # Usage (device, repo root, after installing .whl/setuptools into /tmp/site):
 #   bash benchmarks/h200/parity.sh
@@ -70,6 +72,9 @@ for sched in ${SCHEDULERS:-overlap sync}; do
     || status=1
   python3 $P update "$URL" "$M/target-update" && python3 $P run "$URL" "$OUT/dynamic-$sched-updated.json"
   metrics | tee "$OUT/metrics-dynamic-$sched-updated.txt"
+  # A disk update also loads into the same storage (SGLang's weight loaders copy in place).
+  graph_steps "$OUT/metrics-dynamic-$sched-tensor.txt" "$OUT/metrics-dynamic-$sched-updated.txt" "$sched, disk update" \
+    || status=1
   python3 $P update "$URL" "$M/target-update" --recapture && python3 $P run "$URL" "$OUT/dynamic-$sched-recaptured.json"
   metrics | tee "$OUT/metrics-dynamic-$sched-recaptured.txt"
   stop_server
