@@ -2,7 +2,9 @@
 with the new weights in both modes, as a non-speculative server does after the same update.
 
 Each server serves the same waves (crossing threshold 3 both ways), loads new target
-weights with SGLang's ``/update_weights_from_disk`` and serves the waves again. The
+weights and serves the waves again: the reference from disk, EAGLE3_DYNAMIC from disk
+(``/update_weights_from_disk``) or as tensors (``/update_weights_from_tensor``, the
+RL trainers' route). The
 update is the test bed's ``target-update``: new random weights for the target's
 layers 1 and up. SGLang loads an update's path into the EAGLE draft too; the one-layer
 draft skips those names, so the draft is unchanged and the update runs as it would in
@@ -27,6 +29,7 @@ from dynspec_testbed.server import (
     baseline_server_args,
     dynamic_server_args,
     serve,
+    update_weights_from_tensor,
 )
 from dynspec_testbed.workload import compare_outputs, plugin_counters, run_waves, waves_of
 from sglang_dynspec.config import REQUEST_MODES_ENV, REQUEST_MODES_KEY
@@ -42,11 +45,11 @@ def update_weights(url: str, path) -> None:
     assert response.status_code == 200 and response.json()["success"], response.text
 
 
-def serve_update_serve(url: str, path, between=None):
+def serve_update_serve(url: str, path, between=None, update=update_weights):
     before = run_waves(url, WAVES)
     if between is not None:
         between()
-    update_weights(url, path)
+    update(url, path)
     after = run_waves(url, WAVES)
     return before, after
 
@@ -62,7 +65,13 @@ def reference(tiny_models, tmp_path_factory):
     )
 
 
-def test_after_a_weight_update_both_modes_use_the_new_weights(tiny_models, reference, tmp_path):
+# The same checkpoint sent as tensors (SGLang's /update_weights_from_tensor, inside the
+# weight-update session that 0.5.23 requires) must give the disk-updated reference's outputs.
+UPDATES = {"disk": update_weights, "tensor": update_weights_from_tensor}
+
+
+@pytest.mark.parametrize("method", UPDATES)
+def test_after_a_weight_update_both_modes_use_the_new_weights(method, tiny_models, reference, tmp_path):
     ref_before, ref_after = reference
     # The update changes every request's output: a server still on the old weights fails below.
     changed = [rid for rid in ref_before if ref_before[rid]["output_ids"] != ref_after[rid]["output_ids"]]
@@ -77,7 +86,9 @@ def test_after_a_weight_update_both_modes_use_the_new_weights(tiny_models, refer
         def note_counters():
             counters["before"] = plugin_counters(server.url)
 
-        before, after = serve_update_serve(server.url, tiny_models["target-update"], note_counters)
+        before, after = serve_update_serve(
+            server.url, tiny_models["target-update"], note_counters, update=UPDATES[method]
+        )
         counters["after"] = plugin_counters(server.url)
         assert_no_kv_left(server.url)
 

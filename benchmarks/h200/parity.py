@@ -36,6 +36,7 @@ from pathlib import Path
 
 import httpx
 
+from dynspec_testbed.server import update_weights_from_tensor
 from dynspec_testbed.workload import run_waves, waves_of
 
 MODES_KEY = "spec_dynamic_step_modes"
@@ -65,32 +66,9 @@ def update(url: str, path: str, recapture: bool) -> None:
     response.raise_for_status()
 
 
-def update_from_tensor(url: str, path: str, tp_size: int = 1) -> None:
-    # Imported here: only this command needs torch, safetensors and SGLang.
-    import torch
-    from safetensors.torch import load_file
-    from sglang.srt.utils.common import MultiprocessingSerializer
-    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-
-    monkey_patch_torch_reductions()  # the device by UUID, as the server's side expects
-    named_tensors = [
-        (name, tensor.to("cuda"))
-        for file in sorted(Path(path).glob("*.safetensors"))
-        for name, tensor in load_file(file).items()
-    ]
-    if not named_tensors:
-        raise SystemExit(f"no safetensors in {path}")
-    payload = MultiprocessingSerializer.serialize(named_tensors, output_str=True)
-    # The tensors stay alive (named_tensors) until the server has answered: it opens
-    # their CUDA IPC handles while it loads them.
-    response = httpx.post(
-        f"{url}/update_weights_from_tensor",
-        json={"serialized_named_tensors": [payload] * tp_size},
-        timeout=600,
-    )
-    torch.cuda.synchronize()
-    print(json.dumps({"update_from_tensor": path, "tensors": len(named_tensors), **response.json()}))
-    response.raise_for_status()
+def update_from_tensor(url: str, path: str, device: str = "cuda") -> None:
+    answer = update_weights_from_tensor(url, Path(path), device)
+    print(json.dumps({"update_from_tensor": path, **answer}))
 
 
 def step_group(meta_info: dict) -> str:
@@ -150,6 +128,7 @@ def main(argv=None) -> int:
     )
     p_ten.add_argument("url")
     p_ten.add_argument("path")
+    p_ten.add_argument("--device", default="cuda", help="where the sent tensors live (cpu: the CPU test bed)")
     p_cmp = sub.add_parser("compare", help="compare a candidate's responses with a reference's")
     p_cmp.add_argument("reference", type=Path)
     p_cmp.add_argument("candidate", type=Path)
@@ -164,7 +143,7 @@ def main(argv=None) -> int:
         update(args.url, args.path, args.recapture)
         return 0
     if args.command == "update-tensor":
-        update_from_tensor(args.url, args.path)
+        update_from_tensor(args.url, args.path, args.device)
         return 0
     summary = compare(json.loads(args.reference.read_text()), json.loads(args.candidate.read_text()))
     print(json.dumps({"label": args.label, **summary}))

@@ -475,6 +475,51 @@ def flush_cache(url: str, timeout: float = 30.0) -> None:
         raise RuntimeError(f"/flush_cache returned {response.status_code}: {response.text[:500]}")
 
 
+def update_weights_from_tensor(url: str, checkpoint: Path, device: str = "cpu", tp_size: int = 1) -> dict:
+    """Send the safetensors of ``checkpoint`` to the server through SGLang's
+    ``/update_weights_from_tensor``, serialized as SGLang's ``Engine`` does (one payload
+    per tensor-parallel rank), inside a weight-update session where the server has one
+    (SGLang 0.5.23; 0.5.17 answers 404 and loads them directly). Returns SGLang's answer;
+    raises if the update failed.
+
+    ``device="cuda"`` sends CUDA IPC handles (the GPU harness); ``"cpu"`` sends
+    shared-memory file names, which the server process can open (the default, a file
+    descriptor handed over by this process, it cannot)."""
+    import torch
+    from safetensors.torch import load_file
+    from sglang.srt.utils.common import MultiprocessingSerializer
+
+    if device == "cuda":
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        monkey_patch_torch_reductions()  # the device by UUID, as the server's side expects
+    else:
+        torch.multiprocessing.set_sharing_strategy("file_system")
+    named_tensors = [
+        (name, tensor.to(device))
+        for file in sorted(Path(checkpoint).glob("*.safetensors"))
+        for name, tensor in load_file(file).items()
+    ]
+    if not named_tensors:
+        raise ValueError(f"no safetensors in {checkpoint}")
+    payload = MultiprocessingSerializer.serialize(named_tensors, output_str=True)
+    session = httpx.post(f"{url}/begin_weight_update", json={}, timeout=600)
+    if session.status_code != 404:
+        session.raise_for_status()
+    # named_tensors stays alive until the server has answered: it opens them while it loads.
+    response = httpx.post(
+        f"{url}/update_weights_from_tensor",
+        json={"serialized_named_tensors": [payload] * tp_size},
+        timeout=600,
+    )
+    if session.status_code != 404:
+        httpx.post(f"{url}/end_weight_update", json={}, timeout=600).raise_for_status()
+    answer = {"tensors": len(named_tensors), **response.json()}
+    if response.status_code != 200 or not answer.get("success"):
+        raise RuntimeError(f"/update_weights_from_tensor failed: {answer}")
+    return answer
+
+
 def get_loads(url: str, timeout: float = 30.0) -> list[dict[str, Any]]:
     """Per-DP-rank load snapshots from ``/v1/loads`` (``num_running_reqs``,
     ``num_waiting_reqs``, ``num_used_tokens``, ``max_total_num_tokens``, ...)."""
