@@ -10,7 +10,9 @@
 #   ROW: 8b-acc2 | 8b-acc3 | 8b-acc4 | 3b-acc3 | 8b-p2048-acc3, or issue 19's
 #     offstate-8b | offstate-3b (C=1,8,64,128, 3 repeats; results $CARD-offstate-...)
 #   CONFIGS: the servers, in order (default: baseline eagle3 dynamic); also dynamic-tN
-#     (catch-up buffer N), dynamic-splitkv, dynamic-prefill-verify, dynamic-grouped
+#     (catch-up buffer N), dynamic-splitkv, dynamic-prefill-verify, dynamic-grouped, and
+#     eagle3-sK / dynamic-sK (issue 20 item 4: a draft of K = 1 or 2 steps, K+1 draft
+#     tokens, at the acceptance the 3-step chain's would give K steps: see chain_acc)
 #   C, REPEATS, WAVES: override the row's sweep
 #   PLUGIN_COMMIT: the plugin commit measured (tags every line)
 #   SGLANG_DYNSPEC_COST_CACHE: where the dynamic server keeps its start-up step-cost
@@ -66,7 +68,26 @@ server_args() {
     # since the commit after 8c5c7b8, named for results measured before) or its prefill kernel,
     # or through the grouped-head kernel first (SGLANG_DYNSPEC_GROUPED_VERIFY).
     dynamic-splitkv | dynamic-prefill-verify | dynamic-grouped | dynamic-sglang-splits) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
+    eagle3-s[12] | dynamic-s[12]) local k=${1#*-s} algo=EAGLE3; [ "${1%%-*}" = dynamic ] && algo=EAGLE3_DYNAMIC
+      echo --speculative-algorithm $algo "${EAGLE_ARGS[@]}" --speculative-num-steps "$k" --speculative-eagle-topk 1 \
+        --speculative-num-draft-tokens $((k + 1)) --enable-metrics ;;
   esac
+}
+
+# chain_acc K: the simulated acceptance of a K-step chain whose 3-step chain accepts $ACC
+# tokens per step (bonus token included), with the same chance p of accepting each draft
+# position given the one before: 1 + p + p^2 + p^3 = ACC, and 1 + p + ... + p^K for K steps.
+# A model (real drafts accept later positions less often), written beside each row.
+chain_acc() {
+  python3 - "$ACC" "$1" <<'EOF'
+import sys
+acc, k = float(sys.argv[1]), int(sys.argv[2])
+lo, hi = 0.0, 1.0
+for _ in range(60):  # 1 + p + p^2 + p^3 rises with p on [0, 1]
+    p = (lo + hi) / 2
+    lo, hi = (p, hi) if 1 + p + p * p + p**3 < acc else (lo, p)
+print(f"{sum(p**j for j in range(k + 1)):.3f}")
+EOF
 }
 
 jsonl() { python3 -c "import json,sys; print(json.dumps(dict(a.split('=',1) for a in sys.argv[1:])))" "$@" >> "$RESULTS"; }
@@ -84,6 +105,13 @@ for cfg in ${CONFIGS:-baseline eagle3 dynamic}; do
       SGLANG_DYNSPEC_SPLIT_KV_SPLITS_BY_BATCH=0 ;;
     *) unset SGLANG_DYNSPEC_SPLIT_KV_VERIFY SGLANG_DYNSPEC_GROUPED_VERIFY ;;
   esac
+  export SGLANG_SIMULATE_ACC_LEN=$ACC
+  tags=(--tag "draft_steps=3")
+  case $cfg in
+    *-s[12]) export SGLANG_SIMULATE_ACC_LEN=$(chain_acc "${cfg#*-s}")
+      tags=(--tag "draft_steps=${cfg#*-s}" --tag "sim_acc_len=$SGLANG_SIMULATE_ACC_LEN") ;;
+    baseline) tags=() ;;
+  esac
   # shellcheck disable=SC2046
   if start_server "$cfg" $(server_args "$cfg") --log-level info; then
     jsonl kind=server_start "config=$cfg" "row=$ROW" "start_s=$((SECONDS - t0))" up=true
@@ -97,7 +125,7 @@ print(json.dumps({"kind": "startup_costs", "config": sys.argv[3], "row": sys.arg
                   "seconds": None if m is None else float(m.group(2))}))
 EOF
     fi
-    python3 -m sglang_dynspec.bench sweep "${BENCH[@]}" --config "$cfg" \
+    python3 -m sglang_dynspec.bench sweep "${BENCH[@]}" "${tags[@]}" --config "$cfg" \
       --concurrency "${C:-1,4,16,32,48,64,128}" --repeats "${REPEATS:-2}" --waves "${WAVES:-2}" \
       --out "$RESULTS" 2> "$OUT/logs/sweep_$cfg.err" | tail -n 2
     # The dynamic server's corrections, acceptance by source and steps per mode at the end.
