@@ -8,8 +8,10 @@ Per trace: for each GPU step annotation SGLang writes (``step[DECODE bs=..]``,
 time inside them (span - kernel time = the GPU waiting for the host) and the mean
 period between the starts of consecutive ones (what a step costs the server); the GPU's
 busy share of the traced window and the kernel time outside every step annotation
-(work the plugin or SGLang queues between steps); the kernels that take the most time;
-and the host time of the plugin's own functions (``sglang_dynspec``) and the SGLang
+(work the plugin or SGLang queues between steps); the kernels that take the most time,
+over the trace and inside each annotation kind (mean milliseconds per annotation: which
+GEMMs, attention kernels and norms make up a verify, a draft or a draft extend); and the
+host time of the plugin's own functions (``sglang_dynspec``) and the SGLang
 calls it wraps. Host times come from Python tracing and are inflated by it (several
 times): compare them with each other, not with the GPU timeline.
 
@@ -56,6 +58,7 @@ def summarize(path: str, top: int = 8) -> str:
     annotations = _annotations(events)
     steps = collections.defaultdict(list)
     starts_by_kind = collections.defaultdict(list)
+    kernels_by_kind = collections.defaultdict(collections.Counter)
     inside = [False] * len(kernels)
     for a in annotations:
         lo, hi = a["ts"], a["ts"] + a["dur"]
@@ -63,6 +66,7 @@ def summarize(path: str, top: int = 8) -> str:
         while i < len(kernels) and kernels[i]["ts"] < hi:
             busy += kernels[i]["dur"]
             inside[i] = True
+            kernels_by_kind[_kind(a)][kernels[i]["name"][:60]] += kernels[i]["dur"]
             i += 1
         steps[_kind(a)].append((a["dur"], busy))
         starts_by_kind[_kind(a)].append(lo)
@@ -101,6 +105,14 @@ def summarize(path: str, top: int = 8) -> str:
         by_kernel[k["name"][:60]] += k["dur"]
     lines += ["", f"Kernels, total {sum(by_kernel.values()) / 1e3:.1f} ms:", ""]
     lines += [f"- {dur / 1e3:.2f} ms `{name}`" for name, dur in by_kernel.most_common(top)]
+    for name, values in sorted(steps.items()):
+        by_name = kernels_by_kind[name]
+        if not by_name or name.startswith("scheduler."):  # the scheduler's spans hold the steps
+            continue
+        lines += ["", f"Inside `{name}`, mean ms per annotation ({len(values)}):", ""]
+        lines += [
+            f"- {dur / len(values) / 1e3:.3f} ms `{kernel}`" for kernel, dur in by_name.most_common(top)
+        ]
     host, calls = collections.Counter(), collections.Counter()
     for e in events:
         if e.get("cat") == "python_function" and any(key in e["name"] for key in HOST_KEYS):

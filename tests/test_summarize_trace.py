@@ -1,0 +1,66 @@
+"""benchmarks/profiles/summarize_trace.py on a small synthetic torch-profiler trace: the
+per-annotation spans, kernel times and periods, and the kernels inside each annotation
+kind, which the speculative-step profiles (issue 20) read phase by phase."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "profiles" / "summarize_trace.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("summarize_trace", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def annotation(name, ts, dur):
+    return {"cat": "gpu_user_annotation", "name": name, "ts": ts, "dur": dur}
+
+
+def kernel(name, ts, dur):
+    return {"cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+
+def two_steps(period_us: float) -> list[dict]:
+    """Two speculative steps, each a draft (2 kernels), a verify (a GEMM and an attention
+    kernel) and a draft extend (one kernel), plus one kernel outside every annotation."""
+    events = []
+    for step in range(2):
+        t = step * period_us
+        events += [
+            annotation("draft", t, 1000),
+            kernel("draft_gemm", t + 100, 300),
+            kernel("draft_norm", t + 500, 100),
+            annotation("step[TARGET_VERIFY bs=64]", t + 1000, 5000),
+            kernel("nvjet_gemm", t + 1100, 3000),
+            kernel("_verify_prefix_stage1", t + 4200, 1000),
+            annotation("draft_extend", t + 6000, 1000),
+            kernel("_fwd_kernel", t + 6100, 800),
+        ]
+    events.append(kernel("stray_copy", 2 * period_us + 10, 50))
+    return events
+
+
+def test_summary_reads_each_phase_and_the_kernels_inside_it(tmp_path):
+    trace = tmp_path / "trace.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": two_steps(period_us=10_000)}, f)
+
+    text = load_script().summarize(str(trace))
+
+    assert "| `step[TARGET_VERIFY` | 2 | 5.00 | 4.00 | 10.00 |" in text
+    assert "| `draft` | 2 | 1.00 | 0.40 | 10.00 |" in text
+    assert "| `draft_extend` | 2 | 1.00 | 0.80 | 10.00 |" in text
+    assert "kernel time outside every step annotation: 0.05 ms in 1 kernels" in text
+    verify = text.split("Inside `step[TARGET_VERIFY`, mean ms per annotation (2):")[1].split("Inside")[0]
+    assert verify.index("3.000 ms `nvjet_gemm`") < verify.index("1.000 ms `_verify_prefix_stage1`")
+    assert "_fwd_kernel" not in verify  # the draft extend's kernel stays in its own phase
+    draft = text.split("Inside `draft`, mean ms per annotation (2):")[1].split("Inside")[0]
+    assert "0.300 ms `draft_gemm`" in draft and "0.100 ms `draft_norm`" in draft
+    assert "0.800 ms `_fwd_kernel`" in text.split("Inside `draft_extend`")[1]
