@@ -449,6 +449,23 @@ def weight_storages(model_runner) -> tuple:
     return tuple((name, t.data_ptr(), tuple(t.shape), t.dtype) for name, t in tensors)
 
 
+# WeightUpdater methods that write, or may move, the model's weights. Every SGLang
+# version routes its HTTP and Engine updates (disk, tensor, distributed, IPC) through
+# ``update_weights_from_*`` on 0.5.17; 0.5.23 also loads a distributed update with
+# ``load_weights_from_distributed`` (after ``receive_weights_from_distributed``, which
+# only fills receive buffers) and wraps tensor and distributed loads in a weight-update
+# session whose ``begin_weight_update`` / ``end_weight_update`` unpack and repack the
+# weights (``restore_weights_before_loading``, ``postprocess_weights``).
+WEIGHT_WRITE_PREFIXES = ("update_weights_from_", "load_weights_from_")
+WEIGHT_SESSION_METHODS = ("begin_weight_update", "end_weight_update")
+
+
+def is_weight_write(method_name: str) -> bool:
+    """Whether calling this ``WeightUpdater`` method may change what the weights hold or
+    where they live (so a captured graph must be checked after it)."""
+    return method_name.startswith(WEIGHT_WRITE_PREFIXES) or method_name in WEIGHT_SESSION_METHODS
+
+
 def keep_draft_graphs_on_recapture(spec_worker) -> int:
     """Backport 0.5.23's recapture rule to the draft runners: a weight update with
     ``recapture_cuda_graph=True`` recaptures a draft runner's decode graph only if it

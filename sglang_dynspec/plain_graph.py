@@ -185,14 +185,16 @@ class PlainGraphKeeper:
 
 class _WeightUpdateWatch:
     """The target's weight updater, unchanged, with callbacks before and after every
-    ``update_weights_from_*``."""
+    method that may write the weights (``compat.is_weight_write``: the
+    ``update_weights_from_*`` family, 0.5.23's ``load_weights_from_distributed`` and its
+    weight-update session's begin and end)."""
 
     def __init__(self, inner, before_update, after_update):
         self._inner, self._before_update, self._after_update = inner, before_update, after_update
 
     def __getattr__(self, name):
         attr = getattr(self._inner, name)
-        if not (name.startswith("update_weights_from_") and callable(attr)):
+        if not (compat.is_weight_write(name) and callable(attr)):
             return attr
 
         def update(*args, **kwargs):

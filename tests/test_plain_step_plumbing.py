@@ -187,6 +187,24 @@ class FakeWeightUpdater:
         self.calls.append(("distributed", None))
         return False, "failed"
 
+    # SGLang 0.5.23's routes: a weight-update session around the loads, and a distributed
+    # update split into a receive (buffers only) and a load.
+    def begin_weight_update(self):
+        self.calls.append(("begin", None))
+
+    def end_weight_update(self, *, run_post_load):
+        self.calls.append(("end", run_post_load))
+
+    def receive_weights_from_distributed(self, names, dtypes, shapes, group_name, load_format=None):
+        self.calls.append(("receive", None))
+        return [(n, torch.zeros(1)) for n in names]
+
+    def load_weights_from_distributed(self, named_tensors):
+        self.calls.append(("load", None))
+        if self.model is not None:
+            self.model.weight = torch.nn.Parameter(self.model.weight.detach() + 1)
+        return True, "ok"
+
 
 def test_weight_updates_drop_the_plain_graph_until_a_recapture():
     from sglang_dynspec.plain_graph import PlainGraphKeeper
@@ -219,6 +237,54 @@ def test_weight_updates_drop_the_plain_graph_until_a_recapture():
     assert keeper.graph is None
     assert [c[0] for c in inner.calls] == ["tensor", "disk", "tensor", "disk", "distributed"]
     assert keeper.weight_updates == 5
+
+
+def test_sglang_0_5_23_session_and_distributed_load_are_watched():
+    """0.5.23 loads distributed weights with load_weights_from_distributed (not an
+    update_weights_from_* method) inside begin/end_weight_update: the storage check must
+    run there too, or a moved weight would leave the graph reading the old storage."""
+    from sglang_dynspec.plain_graph import PlainGraphKeeper
+
+    model = torch.nn.Linear(4, 4)
+    inner = FakeWeightUpdater(model)
+    runner = types.SimpleNamespace(weight_updater=inner, model=model)
+    keeper = PlainGraphKeeper(
+        runner, capture_hidden=True, capture=lambda r, capture_hidden: PlainGraph("g", "b", 0)
+    )
+    updater = runner.weight_updater
+    updater.begin_weight_update()
+    weights = updater.receive_weights_from_distributed(["weight"], ["bf16"], [[4, 4]], "group")
+    assert keeper.graph is not None and keeper.weight_updates == 1  # begin: in place; receive: no write
+    assert updater.load_weights_from_distributed(weights) == (True, "ok")  # gives the model a new tensor
+    assert keeper.graph is None
+    updater.end_weight_update(run_post_load=False)
+    assert keeper.weight_updates == 3
+    assert [c[0] for c in inner.calls] == ["begin", "receive", "load", "end"]
+
+
+def test_every_weight_updater_method_is_classified():
+    """Each public method of the installed SGLang's WeightUpdater either may write the
+    weights (the plain graph is checked after it) or is known not to. A method added by a
+    later SGLang fails here until compat.is_weight_write or this list says which it is."""
+    not_writing = {
+        "init_weights_update_group",
+        "destroy_weights_update_group",
+        "receive_weights_from_distributed",  # fills receive buffers; load_weights_from_distributed loads
+        "get_model",
+        "get_model_runner",
+        "recapture_cuda_graph",
+        "update_model_fields",  # called inside update_weights_from_disk
+        "custom_weight_loaders",
+    }
+    methods = {
+        name
+        for name in dir(compat.WeightUpdater)
+        if not name.startswith("_") and callable(getattr(compat.WeightUpdater, name, None))
+    }
+    writing = {name for name in methods if compat.is_weight_write(name)}
+    assert {"update_weights_from_disk", "update_weights_from_tensor"} <= writing
+    assert methods - writing <= not_writing, methods - writing - not_writing
+    assert not writing & not_writing
 
 
 def test_without_cuda_graphs_nothing_is_wrapped():
