@@ -24,6 +24,9 @@ comparison can show that plain steps after an update use the new weights.
 (issue 21 §4): this process reads PATH's safetensors onto the GPU and serializes them
 the way SGLang's ``Engine.update_weights_from_tensor`` does (CUDA IPC handles, one
 payload per tensor-parallel rank); the server copies them into its parameters.
+``graph-steps BEFORE AFTER`` reads two dumps of the server's ``/metrics`` and fails
+unless plain steps replayed the plain CUDA graph between them (an update that wrote the
+weights in place must leave the graph in use).
 ``benchmarks/h200/parity.sh`` runs the servers and these commands on the H200.
 """
 
@@ -38,6 +41,7 @@ import httpx
 
 from dynspec_testbed.server import update_weights_from_tensor
 from dynspec_testbed.workload import run_waves, waves_of
+from sglang_dynspec.bench.scrape import parse_metrics
 
 MODES_KEY = "spec_dynamic_step_modes"
 # Small waves speculate; large ones (threshold 8) run plain from their first decode
@@ -69,6 +73,14 @@ def update(url: str, path: str, recapture: bool) -> None:
 def update_from_tensor(url: str, path: str, device: str = "cuda") -> None:
     answer = update_weights_from_tensor(url, Path(path), device)
     print(json.dumps({"update_from_tensor": path, **answer}))
+
+
+def graph_steps_between(before: Path, after: Path) -> float:
+    """Plain steps that replayed the plain graph between two ``/metrics`` dumps."""
+    return (
+        parse_metrics(after.read_text()).plain_graph_steps
+        - parse_metrics(before.read_text()).plain_graph_steps
+    )
 
 
 def step_group(meta_info: dict) -> str:
@@ -129,6 +141,10 @@ def main(argv=None) -> int:
     p_ten.add_argument("url")
     p_ten.add_argument("path")
     p_ten.add_argument("--device", default="cuda", help="where the sent tensors live (cpu: the CPU test bed)")
+    p_gra = sub.add_parser("graph-steps", help="plain-graph steps between two /metrics dumps")
+    p_gra.add_argument("before", type=Path)
+    p_gra.add_argument("after", type=Path)
+    p_gra.add_argument("--label", default="")
     p_cmp = sub.add_parser("compare", help="compare a candidate's responses with a reference's")
     p_cmp.add_argument("reference", type=Path)
     p_cmp.add_argument("candidate", type=Path)
@@ -145,6 +161,10 @@ def main(argv=None) -> int:
     if args.command == "update-tensor":
         update_from_tensor(args.url, args.path, args.device)
         return 0
+    if args.command == "graph-steps":
+        graph = graph_steps_between(args.before, args.after)
+        print(json.dumps({"label": args.label, "plain_graph_steps_after": graph}))
+        return 0 if graph > 0 else 1
     summary = compare(json.loads(args.reference.read_text()), json.loads(args.candidate.read_text()))
     print(json.dumps({"label": args.label, **summary}))
     if not args.modes:

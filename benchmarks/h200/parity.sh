@@ -35,20 +35,6 @@ pack() {
 }
 on_exit pack
 metrics() { curl -s "$URL/metrics" | grep -E "spec_dynamic_(decode_steps|switches|catch_ups|plain_graph_steps)_total" | grep -v "^#"; }
-# graph_steps BEFORE AFTER LABEL: the plain-graph step counter between two metric dumps;
-# fails when plain steps ran but none replayed the graph (the graph was dropped).
-graph_steps() {
-  python3 - "$@" <<'EOF'
-import json, re, sys
-def counter(path, name):
-    return sum(float(v) for v in re.findall(rf"^sglang:spec_dynamic_{name}_total\S* ([0-9.e+]+)$",
-                                             open(path).read(), re.M))
-before, after, label = sys.argv[1:4]
-graph = counter(after, "plain_graph_steps") - counter(before, "plain_graph_steps")
-print(json.dumps({"label": label, "plain_graph_steps_after": graph}))
-sys.exit(0 if graph > 0 else 1)
-EOF
-}
 
 start_server baseline "${TINY[@]}" || exit 1
 python3 $P run "$URL" "$OUT/baseline.json" && python3 $P run "$URL" "$OUT/baseline-at-once.json" --waves 200
@@ -68,13 +54,13 @@ for sched in ${SCHEDULERS:-overlap sync}; do
   # them into the parameters' storage, so the plain graph must stay and keep replaying.
   python3 $P update-tensor "$URL" "$M/target-update" && python3 $P run "$URL" "$OUT/dynamic-$sched-tensor.json"
   metrics | tee "$OUT/metrics-dynamic-$sched-tensor.txt"
-  graph_steps "$OUT/metrics-dynamic-$sched.txt" "$OUT/metrics-dynamic-$sched-tensor.txt" "$sched, tensor update" \
-    || status=1
+  python3 $P graph-steps "$OUT/metrics-dynamic-$sched.txt" "$OUT/metrics-dynamic-$sched-tensor.txt" \
+    --label "$sched, tensor update" || status=1
   python3 $P update "$URL" "$M/target-update" && python3 $P run "$URL" "$OUT/dynamic-$sched-updated.json"
   metrics | tee "$OUT/metrics-dynamic-$sched-updated.txt"
   # A disk update also loads into the same storage (SGLang's weight loaders copy in place).
-  graph_steps "$OUT/metrics-dynamic-$sched-tensor.txt" "$OUT/metrics-dynamic-$sched-updated.txt" "$sched, disk update" \
-    || status=1
+  python3 $P graph-steps "$OUT/metrics-dynamic-$sched-tensor.txt" "$OUT/metrics-dynamic-$sched-updated.txt" \
+    --label "$sched, disk update" || status=1
   python3 $P update "$URL" "$M/target-update" --recapture && python3 $P run "$URL" "$OUT/dynamic-$sched-recaptured.json"
   metrics | tee "$OUT/metrics-dynamic-$sched-recaptured.txt"
   stop_server

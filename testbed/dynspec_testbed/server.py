@@ -489,12 +489,6 @@ def update_weights_from_tensor(url: str, checkpoint: Path, device: str = "cpu", 
     from safetensors.torch import load_file
     from sglang.srt.utils.common import MultiprocessingSerializer
 
-    if device == "cuda":
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-
-        monkey_patch_torch_reductions()  # the device by UUID, as the server's side expects
-    else:
-        torch.multiprocessing.set_sharing_strategy("file_system")
     named_tensors = [
         (name, tensor.to(device))
         for file in sorted(Path(checkpoint).glob("*.safetensors"))
@@ -502,18 +496,32 @@ def update_weights_from_tensor(url: str, checkpoint: Path, device: str = "cpu", 
     ]
     if not named_tensors:
         raise ValueError(f"no safetensors in {checkpoint}")
-    payload = MultiprocessingSerializer.serialize(named_tensors, output_str=True)
+    if device == "cuda":
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        monkey_patch_torch_reductions()  # the device by UUID, as the server's side expects
+        payload = MultiprocessingSerializer.serialize(named_tensors, output_str=True)
+    else:
+        strategy = torch.multiprocessing.get_sharing_strategy()
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        try:  # read while pickling; the rest of this process keeps its own strategy
+            payload = MultiprocessingSerializer.serialize(named_tensors, output_str=True)
+        finally:
+            torch.multiprocessing.set_sharing_strategy(strategy)
     session = httpx.post(f"{url}/begin_weight_update", json={}, timeout=600)
-    if session.status_code != 404:
+    in_session = session.status_code != 404
+    if in_session:
         session.raise_for_status()
-    # named_tensors stays alive until the server has answered: it opens them while it loads.
-    response = httpx.post(
-        f"{url}/update_weights_from_tensor",
-        json={"serialized_named_tensors": [payload] * tp_size},
-        timeout=600,
-    )
-    if session.status_code != 404:
-        httpx.post(f"{url}/end_weight_update", json={}, timeout=600).raise_for_status()
+    try:
+        # named_tensors stays alive until the server has answered: it opens them while it loads.
+        response = httpx.post(
+            f"{url}/update_weights_from_tensor",
+            json={"serialized_named_tensors": [payload] * tp_size},
+            timeout=600,
+        )
+    finally:  # a session left open would refuse the next one
+        if in_session:
+            httpx.post(f"{url}/end_weight_update", json={}, timeout=600).raise_for_status()
     answer = {"tensors": len(named_tensors), **response.json()}
     if response.status_code != 200 or not answer.get("success"):
         raise RuntimeError(f"/update_weights_from_tensor failed: {answer}")
