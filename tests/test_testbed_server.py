@@ -16,6 +16,7 @@ import torch
 from dynspec_testbed.models import AGREE_TOKEN
 from dynspec_testbed.plugin import OVERLAP_ENV
 from dynspec_testbed.server import (
+    SHARED_MEMORY,
     CpuServer,
     assert_no_kv_left,
     generate,
@@ -95,6 +96,7 @@ def test_eagle3_output_equals_non_speculative(plain_outputs, tiny_models, tmp_pa
 
 
 def test_agree_pair_accepts_every_draft(tiny_models, tmp_path):
+    shared_memory_before = set(SHARED_MEMORY.iterdir())
     with CpuServer(
         speculative_server_args("EAGLE3", tiny_models, "agree"), log_path=tmp_path / "server.log"
     ) as server:
@@ -104,7 +106,12 @@ def test_agree_pair_accepts_every_draft(tiny_models, tmp_path):
         # which is the server's own and goes with it.
         temp_dir = server.temp_dir
         assert temp_dir is not None and any(temp_dir.iterdir()), temp_dir
+        # It makes shared-memory files (a semaphore, SGLang's load snapshot) that
+        # SGLang's SIGKILL of its children leaves behind; they go with the server.
+        shared_memory = set(SHARED_MEMORY.iterdir()) - shared_memory_before
+        assert shared_memory, "the server made no shared-memory file: the check below tests nothing"
     assert not temp_dir.exists()
+    assert not [path for path in shared_memory if path.exists()]
 
     for result in results:
         assert result["output_ids"] == [AGREE_TOKEN] * NEW_TOKENS

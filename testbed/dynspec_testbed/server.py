@@ -21,7 +21,10 @@ group on a free 127.0.0.1 port, with a temporary directory of its own, and on ex
 stops the whole group and removes that directory, so no scheduler process and none of
 the files SGLang leaves in the temporary directory outlive the block (its ZeroMQ
 socket names are ``NamedTemporaryFile(delete=False)`` files, six per server, and the
-test suite starts about two hundred servers). An idle SGLang scheduler keeps a CPU core
+test suite starts about two hundred servers). It also removes the shared-memory files
+created while it ran that no live process maps (``/dev/shm``: multiprocessing
+semaphores, SGLang's load snapshots and message queues; see
+``remove_orphaned_shared_memory``). An idle SGLang scheduler keeps a CPU core
 busy: on a small machine run one server at a time.
 """
 
@@ -124,6 +127,7 @@ class CpuServer:
         self._startup_timeout = startup_timeout
         self._stop_timeout = stop_timeout
         self._process: subprocess.Popen | None = None
+        self._started_at = time.time()
         self.startup_seconds: float | None = None
 
     def __enter__(self) -> "CpuServer":
@@ -153,6 +157,9 @@ class CpuServer:
     def _start_once(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.temp_dir = Path(tempfile.mkdtemp(prefix="dynspec-server-"))
+        # Shared-memory files are matched to the server by time (file times are
+        # whole-second on some file systems, hence the margin).
+        self._started_at = time.time() - 1.0
         started = time.monotonic()
         with open(self.log_path, "wb") as log:
             self._process = subprocess.Popen(
@@ -229,6 +236,7 @@ class CpuServer:
             _wait_group_gone(group, timeout=self._stop_timeout)
         self._process.wait()
         self._process = None
+        remove_orphaned_shared_memory(since=self._started_at)
         self._remove_temp_dir()
 
     def _remove_temp_dir(self) -> None:
@@ -248,6 +256,54 @@ def _signal_group(group: int, sig: int) -> None:
         os.killpg(group, sig)
     except ProcessLookupError:
         pass
+
+
+SHARED_MEMORY = Path("/dev/shm")
+
+
+def _shared_memory_in_use() -> set[Path]:
+    """The ``/dev/shm`` files some live process has mapped, read from ``/proc``."""
+    paths = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            lines = maps.read_text().splitlines()
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        for line in lines:
+            fields = line.split(maxsplit=5)
+            # A mapping of a file already unlinked reads "PATH (deleted)".
+            if len(fields) == 6 and not fields[5].endswith(" (deleted)"):
+                path = Path(fields[5])
+                if path.parent == SHARED_MEMORY:
+                    paths.add(path)
+    return paths
+
+
+def remove_orphaned_shared_memory(since: float) -> list[Path]:
+    """Unlink the ``/dev/shm`` files created or written since ``since`` (a ``time.time()``)
+    that no live process has mapped, and return them.
+
+    SGLang stops its children with SIGKILL, the multiprocessing resource tracker among
+    them, so nothing unlinks the semaphores (``sem.mp-*``) and shared memory (load
+    snapshots, message queues) its processes had: a day of test runs left about 600.
+    A file nobody maps is no one's: every user of a named semaphore or shared-memory
+    block keeps it mapped while it holds it."""
+    if not SHARED_MEMORY.is_dir():
+        return []
+    recent = []
+    for path in SHARED_MEMORY.iterdir():
+        try:
+            if path.stat().st_mtime >= since:
+                recent.append(path)
+        except OSError:
+            continue
+    # Listed before the scan: a file created after the listing is not a candidate, and
+    # one created before it is mapped by its creator by the time of the scan.
+    in_use = _shared_memory_in_use()
+    orphans = [path for path in recent if path not in in_use]
+    for path in orphans:
+        path.unlink(missing_ok=True)
+    return orphans
 
 
 def _wait_group_gone(group: int, timeout: float) -> bool:
