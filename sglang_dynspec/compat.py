@@ -342,6 +342,10 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
     HostSymbols(grouped_verify.VerifyMLA, ("_alloc", "att_out")),
     # ... and the per-head kernel's split count by batch size (per_head_verify_splits_by_batch).
     HostSymbols(verify_splitkv, ("can_handle", "_get_vk")),
+    # The draft extend's attention through the same kernel (use_split_kv_draft_extend): the
+    # slot the draft's triton backend calls for every extend.
+    HostSymbols(EagleDraftWorker, ("draft_extend_attn_backend", "draft_runner")),
+    HostSymbols(TritonAttnBackend, ("extend_attention_fwd",)),
     HostSymbols(LogitsMetadata, ("forward_mode",)),
     # Step-cost calibration: the synthetic decode batch and the limits of the grid
     # (synthetic_decode_batch, synthetic_batch_limits, decode_graph_batch_sizes).
@@ -484,7 +488,8 @@ def keep_draft_graphs_on_recapture(spec_worker) -> int:
 
 @dataclass(frozen=True)
 class VerifyAttention:
-    """Which kernel the target's verify attention runs, and why (the start-up log)."""
+    """Which kernel an attention phase runs (the target's verify, the draft extend), and why
+    (the start-up log)."""
 
     split_kv: bool  # a split-KV verify kernel on the target's triton backends
     note: str
@@ -802,11 +807,20 @@ def use_split_kv_verify(
 def verify_attention_kernel(spec_worker) -> str:
     """``"grouped-split-kv"`` or ``"split-kv"`` if the target's verify runs a split-KV
     kernel (``-splits-by-batch`` added where the per-head kernel's split count follows the
-    batch size), else ``"sglang"`` (its default); part of the step-cost cache key: the
-    kernel sets a speculative step's cost."""
+    batch size), else ``"sglang"`` (its default), with ``"+draft-extend-split-kv"`` where
+    the draft extend runs it too (:func:`use_split_kv_draft_extend`); part of the
+    step-cost cache key: the kernels set a speculative step's cost."""
+    draft = (
+        "+draft-extend-split-kv"
+        if any(
+            isinstance(b.extend_attention_fwd, SplitKVThenPrefill)
+            for b in _draft_extend_triton_backends(spec_worker)
+        )
+        else ""
+    )
     backends = [b for b in _target_triton_backends(spec_worker) if b.use_verify_splitkv]
     if not backends:
-        return "sglang"
+        return "sglang" + draft
     # The per-head slot, behind the grouped kernel where it is installed; torch.compiler.disable
     # keeps the function it wraps as __wrapped__.
     slots = [b.verify_splitkv_fwd for b in backends]
@@ -814,7 +828,184 @@ def verify_attention_kernel(spec_worker) -> str:
     name = "grouped-split-kv" if any(isinstance(s, GroupedThenPerHead) for s in slots) else "split-kv"
     if any(getattr(s, "__wrapped__", s) is per_head_verify_splits_by_batch for s in per_head):
         name += "-splits-by-batch"
-    return name
+    return name + draft
+
+
+# What the draft extend's calls of the prefill kernel may carry for the split-KV kernel to
+# serve them: options it takes as they are, and options it serves only at these values
+# (0.5.23's chunked and fused-prefix paths ask for a log-sum-exp, or skip a part).
+SPLIT_KV_OPTIONS = frozenset(
+    {"logit_cap", "sliding_window_size", "sinks", "window_kv_offsets", "xai_temperature_len"}
+)
+PREFILL_ONLY_OPTIONS = {
+    "lse_extend": None,
+    "skip_prefix": False,
+    "skip_extend": False,
+    "identity_kv_indices": False,
+    "page_size": 1,
+    "score_mod": None,
+    "aux_tensors": None,
+}
+IGNORED_OPTIONS = frozenset({"extend_seq_lens_cpu", "skip_prefix_custom_mask"})  # no meaning without a mask
+
+
+class SplitKVThenPrefill:
+    """A draft triton backend's ``extend_attention_fwd`` (SGLang's prefill kernel, same
+    arguments): an extend of the same few tokens per request with a causal mask runs the
+    split-KV verify kernel, everything else the prefill kernel.
+
+    The draft extend after every verify is such an extend: ``num_draft_tokens`` positions
+    per request over its prefix, causal, no mask (SGLang's DRAFT_EXTEND_V2). SGLang routes
+    only the target's TARGET_VERIFY to the split-KV kernel; the prefill kernel walks each
+    request's prefix serially per query head, as it did in the verify. Served: at most
+    ``max_tokens`` rows per request (the draft length; a long prompt's prefill keeps the
+    prefill kernel, whose tiles suit it), no custom mask, causal, and only options that
+    the split-KV kernel computes the same way (:data:`SPLIT_KV_OPTIONS`); the kernel's own
+    ``can_handle`` then declines ragged rows and the rest. Reads only shapes and Python
+    values: it runs inside the draft extend's CUDA graph."""
+
+    def __init__(
+        self, prefill: Callable[..., Any], split_kv: Callable[..., bool], max_tokens: int, max_bs: int
+    ):
+        self.prefill, self.split_kv = prefill, split_kv
+        self.max_tokens, self.max_bs = max_tokens, max_bs
+
+    def serves(self, custom_mask, is_causal, max_len_extend, options: dict) -> bool:
+        return (
+            custom_mask is None
+            and is_causal is True
+            and isinstance(max_len_extend, int)
+            and 1 <= max_len_extend <= self.max_tokens
+            and all(
+                name in SPLIT_KV_OPTIONS
+                or name in IGNORED_OPTIONS
+                or (name in PREFILL_ONLY_OPTIONS and value == PREFILL_ONLY_OPTIONS[name])
+                for name, value in options.items()
+            )
+        )
+
+    def __call__(
+        self,
+        q_extend,
+        k_extend,
+        v_extend,
+        o_extend,
+        k_buffer,
+        v_buffer,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        custom_mask,
+        is_causal,
+        mask_indptr,
+        max_len_extend,
+        k_scale,
+        v_scale,
+        sm_scale=None,
+        **options,
+    ):
+        args = (q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices)
+        if self.serves(custom_mask, is_causal, max_len_extend, options) and self.split_kv(
+            *args,
+            custom_mask,
+            is_causal,
+            mask_indptr,
+            max_len_extend,
+            k_scale,
+            v_scale,
+            sm_scale,
+            **{name: value for name, value in options.items() if name in SPLIT_KV_OPTIONS},
+            max_bs=self.max_bs,
+        ):
+            return None
+        return self.prefill(
+            *args, custom_mask, is_causal, mask_indptr, max_len_extend, k_scale, v_scale, sm_scale, **options
+        )
+
+
+def _draft_extend_triton_backends(spec_worker) -> list:
+    draft_worker = spec_worker.draft_worker
+    candidates = (draft_worker.draft_extend_attn_backend, draft_worker.draft_runner.attn_backend)
+    backends = {id(b): b for b in candidates if b is not None}
+    return [b for b in backends.values() if isinstance(b, TritonAttnBackend)]
+
+
+def _scratch_key(backend) -> tuple:
+    """What sizes SGLang's cached split-KV kernel object: backends that agree share one."""
+    return (
+        backend.req_to_token_pool.size,
+        backend.num_head,
+        backend.num_kv_head,
+        backend.v_head_dim,
+        backend.num_draft_tokens,
+    )
+
+
+def use_split_kv_draft_extend(
+    spec_worker,
+    gather: Callable[[Any], list] | None = None,
+    splits_by_batch: bool = False,
+) -> VerifyAttention:
+    """Route the draft extend's attention through SGLang's split-KV verify kernel
+    (:class:`SplitKVThenPrefill` in the draft's triton backends' prefill-kernel slot),
+    the per-head kernel with ``splits_by_batch`` as for the target. Call where
+    :func:`use_split_kv_verify` is called (before the draft's CUDA graphs are captured),
+    after it: a draft whose attention has the target's shape shares the target's scratch,
+    otherwise its own is checked against free memory, agreed across ranks through
+    ``gather``. Under the same conditions as the target's: triton backend, topk 1, no MLA;
+    deterministic inference runs SGLang's deterministic kernel before either."""
+    gather = gather or gather_across_tensor_parallel_ranks
+    backends = _draft_extend_triton_backends(spec_worker)
+    if not backends:
+        backend = spec_worker.draft_worker.draft_runner.attn_backend
+        return VerifyAttention(
+            False,
+            f"not used: the draft's attention backend is {type(backend).__name__}; the split-KV kernel "
+            "is the triton backend's (--speculative-draft-attention-backend triton)",
+        )
+    if spec_worker.topk != 1:
+        return VerifyAttention(
+            False,
+            f"not used: --speculative-eagle-topk {spec_worker.topk}; kept to the target's rule (a chain only)",
+        )
+    if any(backend.use_mla for backend in backends):
+        return VerifyAttention(False, "not used: the draft uses multi-head latent attention (MLA)")
+    shared = {_scratch_key(b) for b in _target_triton_backends(spec_worker) if b.use_verify_splitkv}
+    own = {_scratch_key(b): b for b in backends if _scratch_key(b) not in shared}
+    needed = sum(split_kv_scratch_bytes(b) for b in own.values())
+    free = free_device_memory(spec_worker.device)
+    fits = free is None or needed == 0 or needed + SPLIT_KV_MEMORY_HEADROOM <= free
+    if not all(gather(fits)):
+        return VerifyAttention(
+            False,
+            f"not used: its scratch ({needed / 2**20:.0f} MiB, the draft's attention shape differs from the "
+            f"target's) does not fit on every tensor-parallel rank with {SPLIT_KV_MEMORY_HEADROOM >> 20} MiB "
+            "to spare for the CUDA graphs; lower --max-running-requests or --mem-fraction-static to use it",
+            warning=True,
+        )
+    verify_splitkv.VerifySplitKV = ZeroedSplitKVScratch
+    split_kv = per_head_verify_splits_by_batch if splits_by_batch else verify_splitkv.verify_splitkv_fwd
+    for backend in backends:
+        if not isinstance(backend.extend_attention_fwd, SplitKVThenPrefill):
+            backend.extend_attention_fwd = SplitKVThenPrefill(
+                backend.extend_attention_fwd,
+                torch.compiler.disable(split_kv),
+                max_tokens=backend.num_draft_tokens,
+                max_bs=backend.req_to_token_pool.size,
+            )
+    scratch = "the target's scratch" if not own else f"up to {needed / 2**20:.0f} MiB of scratch of its own"
+    if any(backend.enable_deterministic for backend in backends):
+        return VerifyAttention(
+            True,
+            "set, but --enable-deterministic-inference runs SGLang's deterministic extend kernel "
+            "before it, so the draft extend keeps that kernel",
+        )
+    splits = " with its split count by batch size" if splits_by_batch else ""
+    return VerifyAttention(
+        True,
+        f"SGLang's split-KV verify kernel (verify_splitkv.py){splits} for the draft extend's "
+        f"{backends[0].num_draft_tokens} positions per request, {scratch}",
+    )
 
 
 def _recapture_if_owning_decode_graph(runner, recapture: Callable[[], None]) -> Callable[[], None]:

@@ -229,6 +229,14 @@ GROUPED_VERIFY_ENV = "SGLANG_DYNSPEC_GROUPED_VERIFY"
 # 1.5x faster at batch 64 and 128 (compat.SPLIT_KV_PROGRAMS says where that was measured).
 # 0: SGLang's count (an A/B).
 SPLITS_BY_BATCH_ENV = "SGLANG_DYNSPEC_SPLIT_KV_SPLITS_BY_BATCH"
+# 1: the draft extend after each verify (the draft over the step's draft positions) runs
+# the same split-KV kernel instead of SGLang's prefill kernel (compat.SplitKVThenPrefill),
+# with the split count by batch size where SPLITS_BY_BATCH_ENV is on. With the split-KV
+# verify on, the prefill kernel's only calls in a speculative step are the draft extend's
+# (`_fwd_kernel`, 14.75 ms in 40 steps at C=64 on the H100 against a 14.1 ms period:
+# benchmarks/results/h100-20261206b-0043f33/profiles-spec-b.md). Off until a device call
+# has timed it.
+SPLIT_KV_DRAFT_EXTEND_ENV = "SGLANG_DYNSPEC_SPLIT_KV_DRAFT_EXTEND"
 # Where the start-up step-cost tables are cached (cost_cache); "off" disables the cache.
 COST_CACHE_ENV = "SGLANG_DYNSPEC_COST_CACHE"
 
@@ -338,6 +346,8 @@ class Settings:
     grouped_verify: bool = _set_by(GROUPED_VERIFY_ENV)
     # True: the per-head split-KV kernel's split count by batch size, not SGLang's
     splits_by_batch: bool = _set_by(SPLITS_BY_BATCH_ENV)
+    # True: the draft extend's attention through the split-KV kernel too
+    split_kv_draft_extend: bool = _set_by(SPLIT_KV_DRAFT_EXTEND_ENV)
     # False: plain steps run eagerly (saves the graph's memory)
     plain_cuda_graph: bool = _set_by(PLAIN_CUDA_GRAPH_ENV)
     # True: per-request step modes in meta_info (REQUEST_MODES_KEY)
@@ -467,6 +477,7 @@ def settings_from_environ(environ: Mapping[str, str] = os.environ) -> Settings:
         split_kv_verify=split_kv,
         grouped_verify=grouped,
         splits_by_batch=env_bool(SPLITS_BY_BATCH_ENV, True, environ),
+        split_kv_draft_extend=env_bool(SPLIT_KV_DRAFT_EXTEND_ENV, False, environ),
         penalties=penalties_from_environ(environ),
         plain_cuda_graph=env_bool(PLAIN_CUDA_GRAPH_ENV, True, environ),
         request_modes=env_bool(REQUEST_MODES_ENV, False, environ),

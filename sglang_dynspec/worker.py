@@ -81,19 +81,28 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
         # The scheduler calls this after the target's attention backends exist and before
         # any CUDA graph is captured: the verify graph keeps the kernel it captures.
         super().init_attention_backends()
-        if not self.settings.split_kv_verify:
-            return
-        verify = compat.use_split_kv_verify(
-            self, grouped=self.settings.grouped_verify, splits_by_batch=self.settings.splits_by_batch
-        )
-        if self._first_rank:
-            log = logger.warning if verify.warning else logger.info
+        if self.settings.split_kv_verify:
+            verify = compat.use_split_kv_verify(
+                self, grouped=self.settings.grouped_verify, splits_by_batch=self.settings.splits_by_batch
+            )
             names = config.SPLIT_KV_VERIFY_ENV
             if self.settings.grouped_verify:
                 names += f", {config.GROUPED_VERIFY_ENV}"
             if self.settings.splits_by_batch and verify.split_kv:
                 names += f", {config.SPLITS_BY_BATCH_ENV}"
-            log("[sglang-dynspec] target verify attention (%s): %s", names, verify.note)
+            self._log_attention("target verify", names, verify)
+        if self.settings.split_kv_draft_extend:
+            # After the target's: a draft of the target's attention shape shares its scratch.
+            draft = compat.use_split_kv_draft_extend(self, splits_by_batch=self.settings.splits_by_batch)
+            names = config.SPLIT_KV_DRAFT_EXTEND_ENV
+            if self.settings.splits_by_batch and draft.split_kv:
+                names += f", {config.SPLITS_BY_BATCH_ENV}"
+            self._log_attention("draft extend", names, draft)
+
+    def _log_attention(self, what: str, names: str, choice: compat.VerifyAttention) -> None:
+        if self._first_rank:
+            log = logger.warning if choice.warning else logger.info
+            log("[sglang-dynspec] %s attention (%s): %s", what, names, choice.note)
 
     def init_cuda_graphs(self):
         # The scheduler calls this once the KV pools exist (both SGLang versions, with

@@ -62,6 +62,10 @@ def sglangs_per_head_kernel(*args, **kwargs):  # stands in for the backend's own
     return True
 
 
+def sglangs_prefill_kernel(*args, **kwargs):  # stands in for the backend's extend_attention_fwd
+    return None
+
+
 def _triton_backend(
     deterministic: bool = False,
     rows: int = 129,
@@ -83,15 +87,27 @@ def _triton_backend(
     backend.num_kv_head = kv_heads
     backend.v_head_dim = head_dim
     backend.verify_splitkv_fwd = sglangs_per_head_kernel
+    backend.extend_attention_fwd = sglangs_prefill_kernel
     return backend
 
 
-def _worker(attn_backend, decode_backend=None, topk: int = 1):
+def _worker(attn_backend, decode_backend=None, topk: int = 1, draft_backend=None):
+    """A speculative worker with the attributes the switches read; the draft's backend is
+    another kind than triton unless given (SGLang's draft extend backend is the draft
+    runner's ``attn_backend`` too)."""
     runner = types.SimpleNamespace(
         attn_backend=attn_backend, decode_attn_backend=decode_backend or attn_backend
     )
+    draft_backend = draft_backend if draft_backend is not None else object()
+    draft_worker = types.SimpleNamespace(
+        draft_extend_attn_backend=draft_backend,
+        draft_runner=types.SimpleNamespace(attn_backend=draft_backend),
+    )
     return types.SimpleNamespace(
-        target_worker=types.SimpleNamespace(model_runner=runner), topk=topk, device="cpu"
+        target_worker=types.SimpleNamespace(model_runner=runner),
+        draft_worker=draft_worker,
+        topk=topk,
+        device="cpu",
     )
 
 
@@ -326,6 +342,163 @@ def test_the_installed_backend_routes_the_verify_by_that_flag():
     assert "verify_splitkv_fwd" in source[flag:]
 
 
+# ---------------------------------------------------------------- the draft extend
+def test_the_draft_extend_switch_puts_the_split_kv_kernel_in_the_draft_backends_prefill_slot():
+    target, draft = _triton_backend(), _triton_backend()
+    worker = _worker(target, draft_backend=draft)
+    compat.use_split_kv_verify(worker, gather=_one_rank, splits_by_batch=True)
+    choice = compat.use_split_kv_draft_extend(worker, gather=_one_rank, splits_by_batch=True)
+    assert choice.split_kv and not choice.warning
+    assert "draft extend's 4 positions per request, the target's scratch" in choice.note
+    slot = draft.extend_attention_fwd
+    assert isinstance(slot, compat.SplitKVThenPrefill) and slot.prefill is sglangs_prefill_kernel
+    assert slot.split_kv.__wrapped__ is compat.per_head_verify_splits_by_batch
+    assert (slot.max_tokens, slot.max_bs) == (4, 129)
+    assert target.extend_attention_fwd is sglangs_prefill_kernel  # the target's extends keep SGLang's
+    assert compat.verify_attention_kernel(worker) == "split-kv-splits-by-batch+draft-extend-split-kv"
+    # Set up again (SGLang may rebuild the draft's backends): nothing is wrapped twice.
+    compat.use_split_kv_draft_extend(worker, gather=_one_rank)
+    assert draft.extend_attention_fwd is slot
+
+
+def test_the_draft_extend_alone_takes_sglangs_split_count_and_scratch_of_its_own():
+    target, draft = _triton_backend(), _triton_backend()
+    worker = _worker(target, draft_backend=draft)
+    choice = compat.use_split_kv_draft_extend(worker, gather=_one_rank)
+    assert choice.split_kv and "of scratch of its own" in choice.note
+    assert draft.extend_attention_fwd.split_kv.__wrapped__ is compat.verify_splitkv.verify_splitkv_fwd
+    assert compat.verify_splitkv.VerifySplitKV is compat.ZeroedSplitKVScratch
+    assert compat.verify_attention_kernel(worker) == "sglang+draft-extend-split-kv"
+
+
+def test_a_draft_of_another_shape_has_its_scratch_checked_against_free_memory(monkeypatch):
+    target, draft = _triton_backend(), _triton_backend(heads=16, kv_heads=4)
+    worker = _worker(target, draft_backend=draft)
+    compat.use_split_kv_verify(worker, gather=_one_rank)
+    needed = compat.split_kv_scratch_bytes(draft)
+    assert needed != compat.split_kv_scratch_bytes(target)
+    monkeypatch.setattr(
+        compat, "free_device_memory", lambda device: needed + compat.SPLIT_KV_MEMORY_HEADROOM - 1
+    )
+    choice = compat.use_split_kv_draft_extend(worker, gather=_one_rank)
+    assert not choice.split_kv and choice.warning and "--max-running-requests" in choice.note
+    assert draft.extend_attention_fwd is sglangs_prefill_kernel
+    monkeypatch.setattr(compat, "free_device_memory", lambda device: needed + compat.SPLIT_KV_MEMORY_HEADROOM)
+    choice = compat.use_split_kv_draft_extend(worker, gather=_one_rank)
+    assert choice.split_kv and f"{needed / 2**20:.0f} MiB of scratch of its own" in choice.note
+
+
+@pytest.mark.parametrize("other_rank_fits", [True, False])
+def test_every_rank_runs_the_same_draft_extend_kernel(other_rank_fits):
+    draft = _triton_backend()
+    worker = _worker(_triton_backend(), draft_backend=draft)
+    choice = compat.use_split_kv_draft_extend(worker, gather=lambda fits: [fits, other_rank_fits])
+    assert choice.split_kv is other_rank_fits
+    assert isinstance(draft.extend_attention_fwd, compat.SplitKVThenPrefill) is other_rank_fits
+
+
+@pytest.mark.parametrize(
+    "draft, topk, named",
+    [
+        (object(), 1, "--speculative-draft-attention-backend triton"),
+        (_triton_backend(), 2, "--speculative-eagle-topk 2"),
+        (_triton_backend(mla=True), 1, "multi-head latent attention"),
+    ],
+)
+def test_the_draft_extend_keeps_sglangs_kernel_where_the_split_kv_kernel_does_not_apply(draft, topk, named):
+    choice = compat.use_split_kv_draft_extend(
+        _worker(_triton_backend(), topk=topk, draft_backend=draft), _one_rank
+    )
+    assert not choice.split_kv and named in choice.note
+    assert getattr(draft, "extend_attention_fwd", sglangs_prefill_kernel) is sglangs_prefill_kernel
+
+
+def test_deterministic_inference_is_named_for_the_draft_extend_too():
+    choice = compat.use_split_kv_draft_extend(
+        _worker(_triton_backend(), draft_backend=_triton_backend(deterministic=True)), _one_rank
+    )
+    assert "--enable-deterministic-inference" in choice.note
+
+
+def _slot_and_calls(split_serves: bool = True):
+    calls = []
+
+    def split_kv(*args, **kwargs):
+        calls.append(("split-kv", args, kwargs))
+        return split_serves
+
+    def prefill(*args, **kwargs):
+        calls.append(("prefill", args, kwargs))
+
+    return compat.SplitKVThenPrefill(prefill, split_kv, max_tokens=4, max_bs=129), calls
+
+
+def _call(slot, custom_mask=None, is_causal=True, max_len_extend=4, **options):
+    """The slot called as TritonAttnBackend.forward_extend calls the prefill kernel: 16
+    arguments by position (placeholders where only the gate's are read), then options."""
+    head = tuple(f"arg{i}" for i in range(9))
+    return slot(*head, custom_mask, is_causal, "mask_indptr", max_len_extend, 1.0, 1.0, 0.125, **options)
+
+
+@pytest.mark.parametrize(
+    "change, served",
+    [
+        ({}, True),  # the draft extend: 4 positions per request, no mask, causal
+        ({"max_len_extend": 1}, True),
+        ({"extend_seq_lens_cpu": [4, 4], "page_size": 1, "sinks": None, "logit_cap": 0.0}, True),
+        ({"max_len_extend": 5}, False),  # longer than a draft: a prompt, the prefill kernel's
+        ({"max_len_extend": torch.tensor(4)}, False),  # not a Python value: no reading it in a graph
+        ({"custom_mask": torch.ones(4, dtype=torch.bool)}, False),  # a tree or another mask
+        ({"is_causal": False}, False),
+        ({"lse_extend": torch.empty(4)}, False),  # 0.5.23's chunked prefill asks for the LSE
+        ({"skip_prefix": True}, False),
+        ({"skip_extend": True}, False),
+        ({"identity_kv_indices": True}, False),
+        ({"page_size": 16}, False),
+        ({"score_mod": max}, False),
+        ({"aux_tensors": [torch.empty(1)]}, False),
+        ({"an_option_of_a_later_sglang": 0}, False),
+    ],
+)
+def test_which_extends_the_draft_slot_sends_to_the_split_kv_kernel(change, served):
+    slot, calls = _slot_and_calls()
+    assert _call(slot, **change) is None
+    assert [kind for kind, _, _ in calls] == (["split-kv"] if served else ["prefill"])
+    kind, args, kwargs = calls[0]
+    assert args[:9] == tuple(f"arg{i}" for i in range(9)) and args[13:] == (1.0, 1.0, 0.125)
+    if served:  # only what the split-KV kernel takes, and its scratch's rows
+        assert kwargs == {"max_bs": 129, **{k: v for k, v in change.items() if k in compat.SPLIT_KV_OPTIONS}}
+    else:  # SGLang's kernel gets its call unchanged
+        assert kwargs == {
+            k: v for k, v in change.items() if k not in ("custom_mask", "is_causal", "max_len_extend")
+        }
+
+
+def test_an_extend_the_split_kv_kernel_declines_runs_the_prefill_kernel_unchanged():
+    slot, calls = _slot_and_calls(split_serves=False)  # can_handle: ragged rows, say
+    _call(slot, extend_seq_lens_cpu=[3, 4], logit_cap=0.0)
+    assert [kind for kind, _, _ in calls] == ["split-kv", "prefill"]
+    assert calls[1][2] == {"extend_seq_lens_cpu": [3, 4], "logit_cap": 0.0}
+
+
+def test_the_slot_takes_the_installed_prefill_kernels_arguments():
+    """Its first 16 parameters are SGLang's, by name (a keyword call binds the same way),
+    and every further option of the installed kernel is classified: one added by a later
+    SGLang fails here until someone decides whether the split-KV kernel serves it."""
+    from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
+
+    sglangs = inspect.signature(extend_attention_fwd).parameters
+    slots = list(inspect.signature(compat.SplitKVThenPrefill.__call__).parameters)[1:-1]
+    assert list(sglangs)[:16] == slots
+    options = list(sglangs)[16:]
+    known = compat.SPLIT_KV_OPTIONS | compat.IGNORED_OPTIONS | set(compat.PREFILL_ONLY_OPTIONS)
+    assert set(options) <= known, set(options) - known
+    for name in set(options) & set(compat.PREFILL_ONLY_OPTIONS):
+        assert sglangs[name].default == compat.PREFILL_ONLY_OPTIONS[name], name
+    # ... and the backend's extends call it through that slot.
+    assert "self.extend_attention_fwd(" in inspect.getsource(compat.TritonAttnBackend)
+
+
 @pytest.mark.parametrize(
     "raw, expected", [(None, True), ("", True), ("1", True), ("0", False), ("off", False)]
 )
@@ -524,6 +697,110 @@ def kernel_results() -> dict[str, list[dict]]:
     return results
 
 
+# The draft extend's slot with the real kernels, run by Triton's interpreter: per case, which
+# kernel served the extend (the split-KV kernel's calls are counted) and the slot's output
+# against SGLang's prefill kernel's and a float64 reference. The draft extend calls the
+# prefill kernel with no mask (causal) and max_len_extend the longest extend.
+_DRAFT_EXTEND_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, sys.argv[2])
+    import schedule_batches  # the CPU import of SGLang
+    import torch
+    from sglang.kernels.ops.attention import verify_splitkv
+    from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
+    from sglang_dynspec import compat
+
+    verify_splitkv.VerifySplitKV = compat.ZeroedSplitKVScratch
+
+    def reference(q, k, v, kb, vb, prefix_lens, extend_lens, kv_indices, scale):
+        out, start, row = [], 0, 0
+        for n, e in zip(prefix_lens, extend_lens):
+            idx = kv_indices[start:start + n]
+            start += n
+            keys = torch.cat([kb[idx], k[row:row + e]]).double()
+            values = torch.cat([vb[idx], v[row:row + e]]).double()
+            group = q.shape[1] // keys.shape[1]
+            keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+            scores = torch.einsum("qhd,khd->hqk", q[row:row + e].double(), keys) * scale
+            visible = torch.ones(e, n + e, dtype=torch.bool)
+            visible[:, n:] = torch.tril(torch.ones(e, e, dtype=torch.bool))
+            out.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values))
+            row += e
+        return torch.cat(out)
+
+    results = []
+    for case in json.loads(sys.argv[1]):
+        torch.manual_seed(case["seed"])
+        prefix_lens, extend_lens, hq, hkv, d = case["prefix_lens"], case["extend_lens"], case["hq"], case["hkv"], case["d"]
+        bs, pool, rows = len(prefix_lens), sum(prefix_lens) + 64, sum(extend_lens)
+        kb, vb = torch.randn(pool, hkv, d), torch.randn(pool, hkv, d)
+        kv_indices = torch.randperm(pool)[: sum(prefix_lens)]
+        kv_indptr = torch.zeros(bs + 1, dtype=torch.int32)
+        kv_indptr[1:] = torch.cumsum(torch.tensor(prefix_lens), 0)
+        qo_indptr = torch.zeros(bs + 1, dtype=torch.int32)
+        qo_indptr[1:] = torch.cumsum(torch.tensor(extend_lens), 0)
+        q, k, v = torch.randn(rows, hq, d), torch.randn(rows, hkv, d), torch.randn(rows, hkv, d)
+        scale = d ** -0.5
+        served = []
+
+        def split_kv(*args, **kwargs):
+            ran = compat.per_head_verify_splits_by_batch(*args, **kwargs)
+            served.append(ran)
+            return ran
+
+        slot = compat.SplitKVThenPrefill(extend_attention_fwd, split_kv, max_tokens=case["draft"], max_bs=bs)
+        out, prefill = torch.empty_like(q), torch.empty_like(q)
+        call = (q, k, v)
+        slot(*call, out, kb, vb, qo_indptr, kv_indptr, kv_indices, None, True, None, max(extend_lens),
+             1.0, 1.0, scale, logit_cap=0.0, sliding_window_size=-1, sinks=None, page_size=1)
+        extend_attention_fwd(*call, prefill, kb, vb, qo_indptr, kv_indptr, kv_indices, None, True, None,
+                             max(extend_lens), 1.0, 1.0, scale)
+        ref = reference(q, k, v, kb, vb, prefix_lens, extend_lens, kv_indices, scale)
+        results.append({
+            "split_kv_served": any(served),
+            "slot_vs_reference": (out.double() - ref).abs().max().item(),
+            "prefill_vs_reference": (prefill.double() - ref).abs().max().item(),
+        })
+    print(json.dumps(results))
+    """
+)
+
+DRAFT_EXTEND_CASES = [
+    # The draft extend: 4 positions per request over different prefixes, 4 query heads per KV head.
+    {"prefix_lens": [17, 70, 3], "extend_lens": [4, 4, 4], "draft": 4, "hq": 8, "hkv": 2, "d": 64, "seed": 5},
+    # One request, one position (the shortest uniform extend).
+    {"prefix_lens": [33], "extend_lens": [1], "draft": 4, "hq": 4, "hkv": 4, "d": 32, "seed": 6},
+    # Ragged extends (a catch-up of uneven gaps): the kernel's can_handle declines them.
+    {"prefix_lens": [17, 40], "extend_lens": [4, 2], "draft": 4, "hq": 4, "hkv": 2, "d": 32, "seed": 7},
+    # A prompt longer than the draft: the gate keeps it on the prefill kernel.
+    {"prefix_lens": [0, 5], "extend_lens": [9, 9], "draft": 4, "hq": 4, "hkv": 2, "d": 32, "seed": 8},
+]
+
+
+def test_the_draft_extend_slot_computes_the_prefill_kernels_attention():
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _DRAFT_EXTEND_SCRIPT,
+            json.dumps(DRAFT_EXTEND_CASES),
+            str(Path(__file__).parent),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [r["split_kv_served"] for r in results] == [True, True, False, False]
+    for case, result in zip(DRAFT_EXTEND_CASES, results):
+        # float32 on the CPU: both kernels within float32 rounding of the float64 reference
+        assert result["slot_vs_reference"] < 1e-5, (case, result)
+        assert result["prefill_vs_reference"] < 1e-5, (case, result)
+
+
 PLUGIN_KERNELS = ["plugin", "plugin-splits-by-batch", "plugin-splits-by-batch-fewest", "grouped-copy"] + (
     ["grouped-sglang"] if compat.grouped_verify.__name__.startswith("sglang.") else []
 )
@@ -597,19 +874,22 @@ def triton_reference(tiny_models, tmp_path_factory):
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("kernel", ["per-head", "grouped"])
+@pytest.mark.parametrize("kernel", ["per-head", "grouped", "draft-extend"])
 def test_a_server_with_the_split_kv_verify_serves_the_non_speculative_tokens(
     tiny_models, tmp_path, triton_reference, kernel
 ):
     """The tiny target has 4 query heads over 2 KV heads: the grouped kernel serves its
-    verify with a head block of 2 (one KV head's pair)."""
+    verify with a head block of 2 (one KV head's pair). ``draft-extend``: the split-KV
+    kernel for the draft extend alone (the target's verify keeps SGLang's prefill
+    kernel), so every call of it that the test bed logs is the draft's."""
     args = dynamic_server_args(tiny_models, "agree", disable_above=2, extra=TRITON_ON_THE_CPU)
     log = tmp_path / "dynamic.log"
     env = {
         **CI_ENV,
         "TRITON_INTERPRET": "1",
-        config.SPLIT_KV_VERIFY_ENV: "1",
+        config.SPLIT_KV_VERIFY_ENV: "0" if kernel == "draft-extend" else "1",
         config.GROUPED_VERIFY_ENV: "1" if kernel == "grouped" else "0",
+        config.SPLIT_KV_DRAFT_EXTEND_ENV: "1" if kernel == "draft-extend" else "0",
         SPLIT_KV_LOG_ENV: "1",
     }
     with CpuServer(args, log_path=log, env=env) as server:
@@ -625,6 +905,14 @@ def test_a_server_with_the_split_kv_verify_serves_the_non_speculative_tokens(
             "SGLANG_DYNSPEC_SPLIT_KV_SPLITS_BY_BATCH): the grouped-head verify kernel" in text
         )
         assert GROUPED_VERIFY_RAN in text and SPLIT_KV_RAN not in text
+    elif kernel == "draft-extend":
+        assert "target verify attention" not in text
+        assert (
+            "draft extend attention (SGLANG_DYNSPEC_SPLIT_KV_DRAFT_EXTEND, SGLANG_DYNSPEC_SPLIT_KV_SPLITS_BY_BATCH): "
+            "SGLang's split-KV verify kernel (verify_splitkv.py) with its split count by batch size for the "
+            "draft extend's 4 positions per request" in text
+        )
+        assert SPLIT_KV_RAN in text and GROUPED_VERIFY_RAN not in text
     else:
         assert (
             "(SGLANG_DYNSPEC_SPLIT_KV_VERIFY, SGLANG_DYNSPEC_SPLIT_KV_SPLITS_BY_BATCH): SGLang's split-KV "

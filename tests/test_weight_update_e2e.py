@@ -19,7 +19,6 @@ by ``test_plain_step_plumbing.py``.
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from dynspec_testbed.server import (
@@ -29,6 +28,7 @@ from dynspec_testbed.server import (
     baseline_server_args,
     dynamic_server_args,
     serve,
+    update_weights_from_disk,
     update_weights_from_tensor,
 )
 from dynspec_testbed.workload import compare_outputs, plugin_counters, run_waves, waves_of
@@ -40,12 +40,7 @@ WAVES = waves_of([1, 6, 1, 6], seed=31, prefix="wu", new_tokens=(16, 24))
 REQUESTS = sum(len(w) for w in WAVES)
 
 
-def update_weights(url: str, path) -> None:
-    response = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(path)}, timeout=300)
-    assert response.status_code == 200 and response.json()["success"], response.text
-
-
-def serve_update_serve(url: str, path, between=None, update=update_weights):
+def serve_update_serve(url: str, path, between=None, update=update_weights_from_disk):
     before = run_waves(url, WAVES)
     if between is not None:
         between()
@@ -67,7 +62,7 @@ def reference(tiny_models, tmp_path_factory):
 
 # The same checkpoint sent as tensors (SGLang's /update_weights_from_tensor, inside the
 # weight-update session that 0.5.23 requires) must give the disk-updated reference's outputs.
-UPDATES = {"disk": update_weights, "tensor": update_weights_from_tensor}
+UPDATES = {"disk": update_weights_from_disk, "tensor": update_weights_from_tensor}
 
 
 @pytest.mark.parametrize("method", UPDATES)

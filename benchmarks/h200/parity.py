@@ -37,9 +37,7 @@ import json
 import sys
 from pathlib import Path
 
-import httpx
-
-from dynspec_testbed.server import update_weights_from_tensor
+from dynspec_testbed.server import update_weights_from_disk, update_weights_from_tensor
 from dynspec_testbed.workload import run_waves, waves_of
 from sglang_dynspec.bench.scrape import parse_metrics
 
@@ -61,13 +59,8 @@ def run(url: str, out: Path, waves: tuple[int, ...], seed: int) -> None:
 
 
 def update(url: str, path: str, recapture: bool) -> None:
-    response = httpx.post(
-        f"{url}/update_weights_from_disk",
-        json={"model_path": path, "recapture_cuda_graph": recapture},
-        timeout=600,
-    )
-    print(json.dumps({"update": path, "recapture_cuda_graph": recapture, **response.json()}))
-    response.raise_for_status()
+    answer = update_weights_from_disk(url, Path(path), recapture_cuda_graph=recapture)
+    print(json.dumps({"update": path, "recapture_cuda_graph": recapture, **answer}))
 
 
 def update_from_tensor(url: str, path: str, device: str = "cuda") -> None:

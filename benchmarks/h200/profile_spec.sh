@@ -36,19 +36,19 @@ server_args() {
     # the target's verify attention through SGLang's split-KV kernel (SGLANG_DYNSPEC_SPLIT_KV_VERIFY,
     # exported below; the default since the commit after 8c5c7b8) or its prefill kernel, or
     # through the grouped-head kernel first (SGLANG_DYNSPEC_GROUPED_VERIFY).
-    spec-splitkv | spec-prefill-verify | spec-grouped | spec-sglang-splits) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics \
+    spec-splitkv | spec-prefill-verify | spec-grouped | spec-sglang-splits | spec-draft-splitkv) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics \
       --speculative-dynamic-policy threshold --speculative-disable-batch-threshold 4096 --log-level info ;;
     # Issue 20 §2, the attention backend: flashinfer for both servers (lib.sh's triton is
     # overridden: the last --attention-backend wins).
     baseline-fi) echo --enable-metrics --attention-backend flashinfer ;;
     eagle3-fi) echo --speculative-algorithm EAGLE3 "${SPEC[@]}" --enable-metrics --attention-backend flashinfer ;;
-    *) echo "unknown config $1 (baseline, eagle3, dynamic, spec-splitkv, spec-prefill-verify, spec-grouped, spec-sglang-splits, baseline-fi, eagle3-fi)" >&2; return 1 ;;
+    *) echo "unknown config $1 (baseline, eagle3, dynamic, spec-splitkv, spec-prefill-verify, spec-grouped, spec-sglang-splits, spec-draft-splitkv, baseline-fi, eagle3-fi)" >&2; return 1 ;;
   esac
 }
 
 for cfg in ${CONFIGS:-baseline eagle3}; do
   args=$(server_args "$cfg") || continue
-  unset SGLANG_DYNSPEC_SPLIT_KV_SPLITS_BY_BATCH
+  unset SGLANG_DYNSPEC_SPLIT_KV_SPLITS_BY_BATCH SGLANG_DYNSPEC_SPLIT_KV_DRAFT_EXTEND
   case $cfg in
     spec-splitkv) export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=1 SGLANG_DYNSPEC_GROUPED_VERIFY=0 ;;
     spec-prefill-verify) export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=0 SGLANG_DYNSPEC_GROUPED_VERIFY=0 ;;
@@ -57,6 +57,10 @@ for cfg in ${CONFIGS:-baseline eagle3}; do
     # SGLANG_DYNSPEC_SPLIT_KV_SPLITS_BY_BATCH (on by default).
     spec-sglang-splits) export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=1 SGLANG_DYNSPEC_GROUPED_VERIFY=0 \
       SGLANG_DYNSPEC_SPLIT_KV_SPLITS_BY_BATCH=0 ;;
+    # The draft extend's attention through the split-KV kernel too (SGLANG_DYNSPEC_SPLIT_KV_DRAFT_EXTEND,
+    # off by default), the A/B against spec-splitkv.
+    spec-draft-splitkv) export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=1 SGLANG_DYNSPEC_GROUPED_VERIFY=0 \
+      SGLANG_DYNSPEC_SPLIT_KV_DRAFT_EXTEND=1 ;;
     *) unset SGLANG_DYNSPEC_SPLIT_KV_VERIFY SGLANG_DYNSPEC_GROUPED_VERIFY ;;
   esac
   # shellcheck disable=SC2086  # the server's flags, word-split on purpose

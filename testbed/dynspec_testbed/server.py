@@ -531,6 +531,20 @@ def flush_cache(url: str, timeout: float = 30.0) -> None:
         raise RuntimeError(f"/flush_cache returned {response.status_code}: {response.text[:500]}")
 
 
+def update_weights_from_disk(url: str, checkpoint: Path, recapture_cuda_graph: bool | None = None) -> dict:
+    """Load ``checkpoint`` into the server's target through SGLang's
+    ``/update_weights_from_disk``; ``recapture_cuda_graph`` is sent only when given (the
+    server's default otherwise). Returns SGLang's answer; raises if the update failed."""
+    body: dict[str, Any] = {"model_path": str(checkpoint)}
+    if recapture_cuda_graph is not None:
+        body["recapture_cuda_graph"] = recapture_cuda_graph
+    response = httpx.post(f"{url}/update_weights_from_disk", json=body, timeout=600)
+    answer = response.json()
+    if response.status_code != 200 or not answer.get("success"):
+        raise RuntimeError(f"/update_weights_from_disk failed ({response.status_code}): {answer}")
+    return answer
+
+
 def update_weights_from_tensor(url: str, checkpoint: Path, device: str = "cpu", tp_size: int = 1) -> dict:
     """Send the safetensors of ``checkpoint`` to the server through SGLang's
     ``/update_weights_from_tensor``, serialized as SGLang's ``Engine`` does (one payload
