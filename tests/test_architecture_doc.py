@@ -218,6 +218,7 @@ def test_readme_flags_table_lists_every_flag_with_its_default():
         config.SPLIT_KV_VERIFY_ENV,
         config.GROUPED_VERIFY_ENV,
         config.SPLITS_BY_BATCH_ENV,
+        config.SPLIT_KV_DRAFT_EXTEND_ENV,
         config.PLAIN_CUDA_GRAPH_ENV,
         config.REQUEST_MODES_ENV,
         config.COST_CACHE_ENV,

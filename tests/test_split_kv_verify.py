@@ -226,6 +226,12 @@ def test_splits_by_batch_is_on_by_default(raw, expected):
     assert config.settings_from_environ(environ).splits_by_batch is expected
 
 
+@pytest.mark.parametrize("raw, expected", [(None, False), ("0", False), ("1", True), ("on", True)])
+def test_the_draft_extend_split_kv_is_off_until_timed(raw, expected):
+    environ = {} if raw is None else {config.SPLIT_KV_DRAFT_EXTEND_ENV: raw}
+    assert config.settings_from_environ(environ).split_kv_draft_extend is expected
+
+
 def test_an_mla_target_keeps_sglangs_kernel():
     backend = _triton_backend(mla=True)
     verify = compat.use_split_kv_verify(_worker(backend), gather=_one_rank, grouped=True)
@@ -522,7 +528,13 @@ def test_the_grouped_verify_without_the_split_kv_verify_is_refused_naming_both()
 
 
 @pytest.mark.parametrize(
-    "name", [config.SPLIT_KV_VERIFY_ENV, config.GROUPED_VERIFY_ENV, config.SPLITS_BY_BATCH_ENV]
+    "name",
+    [
+        config.SPLIT_KV_VERIFY_ENV,
+        config.GROUPED_VERIFY_ENV,
+        config.SPLITS_BY_BATCH_ENV,
+        config.SPLIT_KV_DRAFT_EXTEND_ENV,
+    ],
 )
 def test_a_bad_value_names_the_variable(name):
     with pytest.raises(config.ConfigError, match=name):
