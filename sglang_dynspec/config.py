@@ -234,8 +234,10 @@ SPLITS_BY_BATCH_ENV = "SGLANG_DYNSPEC_SPLIT_KV_SPLITS_BY_BATCH"
 # with the split count by batch size where SPLITS_BY_BATCH_ENV is on. With the split-KV
 # verify on, the prefill kernel's only calls in a speculative step are the draft extend's
 # (`_fwd_kernel`, 14.75 ms in 40 steps at C=64 on the H100 against a 14.1 ms period:
-# benchmarks/results/h100-20261206b-0043f33/profiles-spec-b.md). Off until a device call
-# has timed it.
+# benchmarks/results/h100-20261206b-0043f33/profiles-spec-b.md). In the server it made the
+# step 0.1-0.6 ms shorter and the load 0.8-1.6% faster at C=32-128 in both repeats
+# (benchmarks/results/h100-20261207-e76add8/README.md), hence on by default; 0: SGLang's
+# prefill kernel (an A/B).
 SPLIT_KV_DRAFT_EXTEND_ENV = "SGLANG_DYNSPEC_SPLIT_KV_DRAFT_EXTEND"
 # Where the start-up step-cost tables are cached (cost_cache); "off" disables the cache.
 COST_CACHE_ENV = "SGLANG_DYNSPEC_COST_CACHE"
@@ -477,7 +479,7 @@ def settings_from_environ(environ: Mapping[str, str] = os.environ) -> Settings:
         split_kv_verify=split_kv,
         grouped_verify=grouped,
         splits_by_batch=env_bool(SPLITS_BY_BATCH_ENV, True, environ),
-        split_kv_draft_extend=env_bool(SPLIT_KV_DRAFT_EXTEND_ENV, False, environ),
+        split_kv_draft_extend=env_bool(SPLIT_KV_DRAFT_EXTEND_ENV, True, environ),
         penalties=penalties_from_environ(environ),
         plain_cuda_graph=env_bool(PLAIN_CUDA_GRAPH_ENV, True, environ),
         request_modes=env_bool(REQUEST_MODES_ENV, False, environ),

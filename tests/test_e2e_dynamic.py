@@ -37,7 +37,12 @@ from dynspec_testbed.workload import (
     split_into_waves,
     waves_of,
 )
-from sglang_dynspec.config import REQUEST_MODES_ENV, REQUEST_MODES_KEY, SPLIT_KV_VERIFY_ENV
+from sglang_dynspec.config import (
+    REQUEST_MODES_ENV,
+    REQUEST_MODES_KEY,
+    SPLIT_KV_DRAFT_EXTEND_ENV,
+    SPLIT_KV_VERIFY_ENV,
+)
 
 pytestmark = pytest.mark.server
 
@@ -219,3 +224,9 @@ def test_overlap_topk1_agreeing_pair_keeps_full_acceptance(tiny_models, referenc
     # backends exist) and, on the CPU's attention backend, names what it needs.
     assert f"({SPLIT_KV_VERIFY_ENV}): not used: the target's attention backend is " in log.read_text()
     assert "(--attention-backend triton)" in log.read_text()
+    # ... and so did the draft extend's (on by default), naming the draft's flag.
+    assert (
+        f"draft extend attention ({SPLIT_KV_DRAFT_EXTEND_ENV}): not used: the draft's attention backend is "
+        in (log.read_text())
+    )
+    assert "(--speculative-draft-attention-backend triton)" in log.read_text()

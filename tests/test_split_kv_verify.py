@@ -226,8 +226,8 @@ def test_splits_by_batch_is_on_by_default(raw, expected):
     assert config.settings_from_environ(environ).splits_by_batch is expected
 
 
-@pytest.mark.parametrize("raw, expected", [(None, False), ("0", False), ("1", True), ("on", True)])
-def test_the_draft_extend_split_kv_is_off_until_timed(raw, expected):
+@pytest.mark.parametrize("raw, expected", [(None, True), ("1", True), ("0", False), ("off", False)])
+def test_the_draft_extend_split_kv_is_on_by_default(raw, expected):
     environ = {} if raw is None else {config.SPLIT_KV_DRAFT_EXTEND_ENV: raw}
     assert config.settings_from_environ(environ).split_kv_draft_extend is expected
 

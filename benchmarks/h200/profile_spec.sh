@@ -58,7 +58,7 @@ for cfg in ${CONFIGS:-baseline eagle3}; do
     spec-sglang-splits) export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=1 SGLANG_DYNSPEC_GROUPED_VERIFY=0 \
       SGLANG_DYNSPEC_SPLIT_KV_SPLITS_BY_BATCH=0 ;;
     # The draft extend's attention through the split-KV kernel too (SGLANG_DYNSPEC_SPLIT_KV_DRAFT_EXTEND,
-    # off by default), the A/B against spec-splitkv.
+    # the default since the commit after e76add8; spec-splitkv sets neither, so it takes the default).
     spec-draft-splitkv) export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=1 SGLANG_DYNSPEC_GROUPED_VERIFY=0 \
       SGLANG_DYNSPEC_SPLIT_KV_DRAFT_EXTEND=1 ;;
     *) unset SGLANG_DYNSPEC_SPLIT_KV_VERIFY SGLANG_DYNSPEC_GROUPED_VERIFY ;;
