@@ -857,12 +857,13 @@ class SplitKVThenPrefill:
     The draft extend after every verify is such an extend: ``num_draft_tokens`` positions
     per request over its prefix, causal, no mask (SGLang's DRAFT_EXTEND_V2). SGLang routes
     only the target's TARGET_VERIFY to the split-KV kernel; the prefill kernel walks each
-    request's prefix serially per query head, as it did in the verify. Served: at most
-    ``max_tokens`` rows per request (the draft length; a long prompt's prefill keeps the
-    prefill kernel, whose tiles suit it), no custom mask, causal, and only options that
-    the split-KV kernel computes the same way (:data:`SPLIT_KV_OPTIONS`); the kernel's own
-    ``can_handle`` then declines ragged rows and the rest. Reads only shapes and Python
-    values: it runs inside the draft extend's CUDA graph."""
+    request's prefix serially per query head, as it did in the verify. Served: the longest
+    extend exactly ``max_tokens`` (the draft length, so that the kernel object SGLang caches
+    per length is the verify's, scratch included; a prompt keeps the prefill kernel, whose
+    tiles suit it), no custom mask, causal, and only options that the split-KV kernel
+    computes the same way (:data:`SPLIT_KV_OPTIONS`); the kernel's own ``can_handle`` then
+    declines ragged rows and the rest. Reads only shapes and Python values: it runs inside
+    the draft extend's CUDA graph."""
 
     def __init__(
         self, prefill: Callable[..., Any], split_kv: Callable[..., bool], max_tokens: int, max_bs: int
@@ -875,7 +876,7 @@ class SplitKVThenPrefill:
             custom_mask is None
             and is_causal is True
             and isinstance(max_len_extend, int)
-            and 1 <= max_len_extend <= self.max_tokens
+            and max_len_extend == self.max_tokens
             and all(
                 name in SPLIT_KV_OPTIONS
                 or name in IGNORED_OPTIONS

@@ -450,7 +450,9 @@ def _call(slot, custom_mask=None, is_causal=True, max_len_extend=4, **options):
     "change, served",
     [
         ({}, True),  # the draft extend: 4 positions per request, no mask, causal
-        ({"max_len_extend": 1}, True),
+        # Shorter than a draft (a catch-up of uniform gaps): SGLang caches the kernel's scratch
+        # per length, and only the draft length's is the verify's, counted at start-up.
+        ({"max_len_extend": 3}, False),
         ({"extend_seq_lens_cpu": [4, 4], "page_size": 1, "sinks": None, "logit_cap": 0.0}, True),
         ({"max_len_extend": 5}, False),  # longer than a draft: a prompt, the prefill kernel's
         ({"max_len_extend": torch.tensor(4)}, False),  # not a Python value: no reading it in a graph
@@ -781,8 +783,8 @@ _DRAFT_EXTEND_SCRIPT = textwrap.dedent(
 DRAFT_EXTEND_CASES = [
     # The draft extend: 4 positions per request over different prefixes, 4 query heads per KV head.
     {"prefix_lens": [17, 70, 3], "extend_lens": [4, 4, 4], "draft": 4, "hq": 8, "hkv": 2, "d": 64, "seed": 5},
-    # One request, one position (the shortest uniform extend).
-    {"prefix_lens": [33], "extend_lens": [1], "draft": 4, "hq": 4, "hkv": 4, "d": 32, "seed": 6},
+    # One request, a draft of one position.
+    {"prefix_lens": [33], "extend_lens": [1], "draft": 1, "hq": 4, "hkv": 4, "d": 32, "seed": 6},
     # Ragged extends (a catch-up of uneven gaps): the kernel's can_handle declines them.
     {"prefix_lens": [17, 40], "extend_lens": [4, 2], "draft": 4, "hq": 4, "hkv": 2, "d": 32, "seed": 7},
     # A prompt longer than the draft: the gate keeps it on the prefill kernel.
