@@ -543,12 +543,9 @@ def test_a_bad_value_names_the_variable(name):
         config.settings_from_environ({name: "fast"})
 
 
-# The kernels under Triton's interpreter, in a child process: for each scratch class
-# (SGLang's own and the plugin's zeroed one) and each case, the split-KV verify's output
-# against the prefill kernel's and a float64 reference. A fresh scratch buffer is filled
-# with NaN first: what torch.empty may hand out (in a fresh child it is zeros, which would
-# hide the hazard).
-_KERNEL_SCRIPT = textwrap.dedent(
+# What both child scripts below start with: the CPU import of SGLang, the kernels, and a
+# float64 reference of causal attention over each request's prefix and its extend.
+_CHILD_PRELUDE = textwrap.dedent(
     """
     import json, math, sys
     sys.path.insert(0, sys.argv[2])
@@ -558,6 +555,32 @@ _KERNEL_SCRIPT = textwrap.dedent(
     from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
     from sglang_dynspec import compat
 
+    def reference(q, k, v, kb, vb, prefix_lens, extend_lens, kv_indices, scale):
+        out, start, row = [], 0, 0
+        for n, e in zip(prefix_lens, extend_lens):
+            idx = kv_indices[start:start + n]
+            start += n
+            keys = torch.cat([kb[idx], k[row:row + e]]).double()  # [n + e, hkv, d]
+            values = torch.cat([vb[idx], v[row:row + e]]).double()
+            group = q.shape[1] // keys.shape[1]
+            keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+            scores = torch.einsum("qhd,khd->hqk", q[row:row + e].double(), keys) * scale
+            visible = torch.ones(e, n + e, dtype=torch.bool)
+            visible[:, n:] = torch.tril(torch.ones(e, e, dtype=torch.bool))
+            scores = scores.masked_fill(~visible, float("-inf"))
+            out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values))
+            row += e
+        return torch.cat(out)
+    """
+)
+
+# The kernels under Triton's interpreter, in a child process: for each scratch class
+# (SGLang's own and the plugin's zeroed one) and each case, the split-KV verify's output
+# against the prefill kernel's and a float64 reference. A fresh scratch buffer is filled
+# with NaN first: what torch.empty may hand out (in a fresh child it is zeros, which would
+# hide the hazard).
+_KERNEL_SCRIPT = _CHILD_PRELUDE + textwrap.dedent(
+    """
     SGLANGS = compat.ZeroedSplitKVScratch.__mro__[1]
     allocate = SGLANGS._alloc
 
@@ -566,23 +589,6 @@ _KERNEL_SCRIPT = textwrap.dedent(
         self.att_out.fill_(float("nan"))
 
     SGLANGS._alloc = garbage_alloc
-
-    def reference(q, k, v, kb, vb, prefix_lens, kv_indices, draft, scale):
-        out, start, row = [], 0, 0
-        for n in prefix_lens:
-            idx = kv_indices[start:start + n]
-            start += n
-            keys = torch.cat([kb[idx], k[row:row + draft]]).double()  # [n + draft, hkv, d]
-            values = torch.cat([vb[idx], v[row:row + draft]]).double()
-            group = q.shape[1] // keys.shape[1]
-            keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-            scores = torch.einsum("qhd,khd->hqk", q[row:row + draft].double(), keys) * scale
-            visible = torch.ones(draft, n + draft, dtype=torch.bool)
-            visible[:, n:] = torch.tril(torch.ones(draft, draft, dtype=torch.bool))
-            scores = scores.masked_fill(~visible, float("-inf"))
-            out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values))
-            row += draft
-        return torch.cat(out)
 
     def worst(a, b):
         d = (a.double() - b.double()).abs().max().item()
@@ -665,7 +671,7 @@ _KERNEL_SCRIPT = textwrap.dedent(
                 q, k, v, prefill, kb, vb, qo_indptr, kv_indptr, kv_indices, torch.cat(masks), True,
                 mask_indptr, draft, 1.0, 1.0, scale,
             )
-            ref = reference(q, k, v, kb, vb, prefix_lens, kv_indices, draft, scale)
+            ref = reference(q, k, v, kb, vb, prefix_lens, [draft] * bs, kv_indices, scale)
             results[name].append({
                 "ran": ran,
                 # The per-head kernel's split counts this call used (its cache's keys).
@@ -715,33 +721,9 @@ def kernel_results() -> dict[str, list[dict]]:
 # kernel served the extend (the split-KV kernel's calls are counted) and the slot's output
 # against SGLang's prefill kernel's and a float64 reference. The draft extend calls the
 # prefill kernel with no mask (causal) and max_len_extend the longest extend.
-_DRAFT_EXTEND_SCRIPT = textwrap.dedent(
+_DRAFT_EXTEND_SCRIPT = _CHILD_PRELUDE + textwrap.dedent(
     """
-    import json, sys
-    sys.path.insert(0, sys.argv[2])
-    import schedule_batches  # the CPU import of SGLang
-    import torch
-    from sglang.kernels.ops.attention import verify_splitkv
-    from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
-    from sglang_dynspec import compat
-
     verify_splitkv.VerifySplitKV = compat.ZeroedSplitKVScratch
-
-    def reference(q, k, v, kb, vb, prefix_lens, extend_lens, kv_indices, scale):
-        out, start, row = [], 0, 0
-        for n, e in zip(prefix_lens, extend_lens):
-            idx = kv_indices[start:start + n]
-            start += n
-            keys = torch.cat([kb[idx], k[row:row + e]]).double()
-            values = torch.cat([vb[idx], v[row:row + e]]).double()
-            group = q.shape[1] // keys.shape[1]
-            keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-            scores = torch.einsum("qhd,khd->hqk", q[row:row + e].double(), keys) * scale
-            visible = torch.ones(e, n + e, dtype=torch.bool)
-            visible[:, n:] = torch.tril(torch.ones(e, e, dtype=torch.bool))
-            out.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values))
-            row += e
-        return torch.cat(out)
 
     results = []
     for case in json.loads(sys.argv[1]):
