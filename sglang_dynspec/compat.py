@@ -707,6 +707,45 @@ def _target_triton_backends(spec_worker) -> list:
     return [b for b in backends.values() if isinstance(b, TritonAttnBackend)]
 
 
+def _split_kv_refusal(model: str, backends: list, backend, flag: str, topk: int) -> VerifyAttention | None:
+    """Why the split-KV kernel cannot serve ``model``'s (``"target"`` or ``"draft"``)
+    attention, or None where it can: it is the triton backend's kernel (``flag`` picks
+    the backend), computes a causal chain (the verify's mask only with topk 1), and is not
+    built for MLA's cache layout (SGLang 0.5.17's per-head kernel has no check for it;
+    0.5.23 added one: it faulted on the GPU)."""
+    if not backends:
+        return VerifyAttention(
+            False,
+            f"not used: the {model}'s attention backend is {type(backend).__name__}; the split-KV kernel "
+            f"is the triton backend's ({flag} triton)",
+        )
+    if topk != 1:
+        return VerifyAttention(
+            False,
+            f"not used: --speculative-eagle-topk {topk}; the split-KV kernel computes a causal chain, "
+            "the verify's mask only with --speculative-eagle-topk 1",
+        )
+    if any(b.use_mla for b in backends):
+        return VerifyAttention(
+            False,
+            f"not used: the {model} uses multi-head latent attention (MLA), whose cache layout the "
+            "split-KV kernel is not built for",
+        )
+    return None
+
+
+def _scratch_fits_on_every_rank(
+    needed: int, device, gather: Callable[[Any], list] | None
+) -> tuple[bool, int | None]:
+    """Whether ``needed`` bytes of scratch leave :data:`SPLIT_KV_MEMORY_HEADROOM` free on
+    every tensor-parallel rank (agreed through ``gather``, default an all-gather over the
+    TP group, so that all ranks run the same kernel), and this rank's free bytes (None
+    off CUDA, where it always fits)."""
+    free = free_device_memory(device)
+    fits = free is None or needed == 0 or needed + SPLIT_KV_MEMORY_HEADROOM <= free
+    return all((gather or gather_across_tensor_parallel_ranks)(fits)), free
+
+
 def use_split_kv_verify(
     spec_worker,
     gather: Callable[[Any], list] | None = None,
@@ -732,34 +771,18 @@ def use_split_kv_verify(
     Every tensor-parallel rank calls it at the same point: whether the scratch fits is
     agreed through ``gather`` (default: an all-gather over the TP group), so all ranks
     run the same kernel."""
-    gather = gather or gather_across_tensor_parallel_ranks
-    runner = spec_worker.target_worker.model_runner
     backends = _target_triton_backends(spec_worker)
-    if not backends:
-        return VerifyAttention(
-            False,
-            f"not used: the target's attention backend is {type(runner.attn_backend).__name__}; "
-            "the split-KV verify kernel is the triton backend's (--attention-backend triton)",
-        )
-    topk = spec_worker.topk
-    if topk != 1:
-        return VerifyAttention(
-            False,
-            f"not used: --speculative-eagle-topk {topk}; the split-KV verify kernel computes a "
-            "causal chain, the verify's mask only with --speculative-eagle-topk 1",
-        )
-    if any(backend.use_mla for backend in backends):
-        return VerifyAttention(
-            False,
-            "not used: the target uses multi-head latent attention (MLA), whose cache layout the "
-            "split-KV verify kernel is not built for",
-        )
+    runner = spec_worker.target_worker.model_runner
+    refusal = _split_kv_refusal(
+        "target", backends, runner.attn_backend, "--attention-backend", spec_worker.topk
+    )
+    if refusal is not None:
+        return refusal
     # One cache per kernel module, shared by the backends.
     needed = max(split_kv_scratch_bytes(b, grouped) for b in backends)
-    free = free_device_memory(spec_worker.device)
     scratch = f"{needed / 2**20:.0f} MiB of scratch for {backends[0].req_to_token_pool.size} request rows"
-    fits = free is None or needed + SPLIT_KV_MEMORY_HEADROOM <= free
-    if not all(gather(fits)):
+    fits_everywhere, free = _scratch_fits_on_every_rank(needed, spec_worker.device, gather)
+    if not fits_everywhere:
         here = f"{free / 2**20:.0f} MiB are free here" if free is not None else "it fits here"
         return VerifyAttention(
             False,
@@ -955,28 +978,17 @@ def use_split_kv_draft_extend(
     otherwise its own is checked against free memory, agreed across ranks through
     ``gather``. Under the same conditions as the target's: triton backend, topk 1, no MLA;
     deterministic inference runs SGLang's deterministic kernel before either."""
-    gather = gather or gather_across_tensor_parallel_ranks
     backends = _draft_extend_triton_backends(spec_worker)
-    if not backends:
-        backend = spec_worker.draft_worker.draft_runner.attn_backend
-        return VerifyAttention(
-            False,
-            f"not used: the draft's attention backend is {type(backend).__name__}; the split-KV kernel "
-            "is the triton backend's (--speculative-draft-attention-backend triton)",
-        )
-    if spec_worker.topk != 1:
-        return VerifyAttention(
-            False,
-            f"not used: --speculative-eagle-topk {spec_worker.topk}; kept to the target's rule (a chain only)",
-        )
-    if any(backend.use_mla for backend in backends):
-        return VerifyAttention(False, "not used: the draft uses multi-head latent attention (MLA)")
+    draft_backend = spec_worker.draft_worker.draft_runner.attn_backend
+    refusal = _split_kv_refusal(
+        "draft", backends, draft_backend, "--speculative-draft-attention-backend", spec_worker.topk
+    )
+    if refusal is not None:
+        return refusal
     shared = {_scratch_key(b) for b in _target_triton_backends(spec_worker) if b.use_verify_splitkv}
     own = {_scratch_key(b): b for b in backends if _scratch_key(b) not in shared}
     needed = sum(split_kv_scratch_bytes(b) for b in own.values())
-    free = free_device_memory(spec_worker.device)
-    fits = free is None or needed == 0 or needed + SPLIT_KV_MEMORY_HEADROOM <= free
-    if not all(gather(fits)):
+    if not _scratch_fits_on_every_rank(needed, spec_worker.device, gather)[0]:
         return VerifyAttention(
             False,
             f"not used: its scratch ({needed / 2**20:.0f} MiB, the draft's attention shape differs from the "
