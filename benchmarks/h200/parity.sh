@@ -16,6 +16,8 @@
 #   bash benchmarks/h200/parity.sh
 #   SCHEDULERS=overlap bash benchmarks/h200/parity.sh   # one dynamic server (both ran past 570 s
 #                                                         # on 2026-12-03): sync in the next call
+#   QUICK=1 ...   # only the disk-update and recapture phases after the first run (no at-once
+#                 # control, no tensor update): for a call with little device time left
 set -u
 source .gpu/device-env.sh || exit 1
 source benchmarks/h200/tiny_models.sh
@@ -37,10 +39,12 @@ on_exit pack
 metrics() { curl -s "$URL/metrics" | grep -E "spec_dynamic_(decode_steps|switches|catch_ups|plain_graph_steps)_total" | grep -v "^#"; }
 
 start_server baseline "${TINY[@]}" || exit 1
-python3 $P run "$URL" "$OUT/baseline.json" && python3 $P run "$URL" "$OUT/baseline-at-once.json" --waves 200
+QUICK=${QUICK:-0}
+python3 $P run "$URL" "$OUT/baseline.json"
+[ "$QUICK" = 1 ] || python3 $P run "$URL" "$OUT/baseline-at-once.json" --waves 200
 python3 $P update "$URL" "$M/target-update" && python3 $P run "$URL" "$OUT/baseline-updated.json"
 stop_server
-python3 $P compare "$OUT/baseline.json" "$OUT/baseline-at-once.json" --label "baseline, other arrivals"
+[ "$QUICK" = 1 ] || python3 $P compare "$OUT/baseline.json" "$OUT/baseline-at-once.json" --label "baseline, other arrivals"
 python3 $P compare "$OUT/baseline.json" "$OUT/baseline-updated.json" --label "baseline, before/after update" \
   && echo '{"error": "the weight update changed no output"}'
 
@@ -52,21 +56,26 @@ for sched in ${SCHEDULERS:-overlap sync}; do
   metrics | tee "$OUT/metrics-dynamic-$sched.txt"
   # Issue 21 §4: the same new weights through /update_weights_from_tensor, which copies
   # them into the parameters' storage, so the plain graph must stay and keep replaying.
-  python3 $P update-tensor "$URL" "$M/target-update" && python3 $P run "$URL" "$OUT/dynamic-$sched-tensor.json"
-  metrics | tee "$OUT/metrics-dynamic-$sched-tensor.txt"
-  python3 $P graph-steps "$OUT/metrics-dynamic-$sched.txt" "$OUT/metrics-dynamic-$sched-tensor.txt" \
-    --label "$sched, tensor update" || status=1
+  phases=(tensor updated recaptured) before_disk=$OUT/metrics-dynamic-$sched-tensor.txt
+  if [ "$QUICK" = 1 ]; then
+    phases=(updated recaptured) before_disk=$OUT/metrics-dynamic-$sched.txt
+  else
+    python3 $P update-tensor "$URL" "$M/target-update" && python3 $P run "$URL" "$OUT/dynamic-$sched-tensor.json"
+    metrics | tee "$OUT/metrics-dynamic-$sched-tensor.txt"
+    python3 $P graph-steps "$OUT/metrics-dynamic-$sched.txt" "$OUT/metrics-dynamic-$sched-tensor.txt" \
+      --label "$sched, tensor update" || status=1
+  fi
   python3 $P update "$URL" "$M/target-update" && python3 $P run "$URL" "$OUT/dynamic-$sched-updated.json"
   metrics | tee "$OUT/metrics-dynamic-$sched-updated.txt"
   # A disk update also loads into the same storage (SGLang's weight loaders copy in place).
-  python3 $P graph-steps "$OUT/metrics-dynamic-$sched-tensor.txt" "$OUT/metrics-dynamic-$sched-updated.txt" \
+  python3 $P graph-steps "$before_disk" "$OUT/metrics-dynamic-$sched-updated.txt" \
     --label "$sched, disk update" || status=1
   python3 $P update "$URL" "$M/target-update" --recapture && python3 $P run "$URL" "$OUT/dynamic-$sched-recaptured.json"
   metrics | tee "$OUT/metrics-dynamic-$sched-recaptured.txt"
   stop_server
   python3 $P compare "$OUT/baseline.json" "$OUT/dynamic-$sched.json" --modes --label "EAGLE3_DYNAMIC, $sched" \
     || status=1
-  for phase in tensor updated recaptured; do
+  for phase in "${phases[@]}"; do
     python3 $P compare "$OUT/baseline-updated.json" "$OUT/dynamic-$sched-$phase.json" --modes \
       --label "EAGLE3_DYNAMIC, $sched, $phase weights" || status=1
   done
