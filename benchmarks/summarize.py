@@ -11,7 +11,9 @@ repeats (min-max), the ratios to the baseline, and dynamic / max(baseline, EAGLE
 all from the same run. Then latency percentiles (median over repeats). Then, for every other
 configuration (the off-state runs: ``dynamic-t384``, ``dynamic-plain``, or ``dynamic`` without an
 EAGLE-3 server), each repeat's output tok/s over the baseline's in the same repeat, their median,
-and each repeat's ITL p99 over the baseline's: issue 19's targets.
+and each repeat's ITL p99 over the baseline's: issue 19's targets. Last, the speculative step
+(issue 20): ITL p50 × accepted tokens per step of each point that speculated on every decode step,
+over the plain step (the baseline's ITL p50) in the same repeat.
 """
 
 from __future__ import annotations
@@ -87,6 +89,39 @@ def main(path, where=(), dynamic="dynamic"):
             )
         print(f"| {c} | " + " | ".join(cells) + " |")
     print_against_baseline(points, concurrencies)
+    print_step_cost(points, concurrencies)
+
+
+def speculative_step_ms(record):
+    """ITL p50 × accepted tokens per step: one speculative step's time, for a point that
+    speculated on every decode step (stock EAGLE-3's, or a dynamic server's with all of its
+    steps speculative); None for a point that ran plain steps or reports no acceptance."""
+    if record.get("accept_length") is None or record.get("spec_step_frac") not in (None, 1.0):
+        return None
+    return record["itl_p50_ms"] * record["accept_length"]
+
+
+def print_step_cost(points, concurrencies):
+    rows = []
+    for cfg in sorted({cfg for (cfg, _) in points} - {"baseline"}):
+        for c in concurrencies:
+            base = {r["repeat"]: r for r in points[("baseline", c)]}
+            pairs = [
+                (step, base[r["repeat"]]["itl_p50_ms"])
+                for r in points[(cfg, c)]
+                if r["repeat"] in base and (step := speculative_step_ms(r)) is not None
+            ]
+            if pairs:
+                rows.append(
+                    f"| {cfg} | {c} | {', '.join(f'{step:.2f}' for step, _ in pairs)} "
+                    f"| {', '.join(f'{plain:.2f}' for _, plain in pairs)} "
+                    f"| {', '.join(f'{step / plain:.2f}' for step, plain in pairs)} |"
+                )
+    if rows:
+        print()
+        print("| config | C | speculative step ms, per repeat | plain step ms (baseline ITL p50) | ratio |")
+        print("|---|---|---|---|---|")
+        print("\n".join(rows))
 
 
 def print_against_baseline(points, concurrencies):

@@ -8,7 +8,9 @@
 #
 # Usage (on the device, repo root):  ROW=8b-acc3 bash benchmarks/h200/decision_grid.sh
 #   ROW: 8b-acc2 | 8b-acc3 | 8b-acc4 | 3b-acc3 | 8b-p2048-acc3, or issue 19's
-#     offstate-8b | offstate-3b (C=1,8,64,128, 3 repeats; results $CARD-offstate-...)
+#     offstate-8b | offstate-3b (C=1,8,64,128, 3 repeats; results $CARD-offstate-...), or
+#     issue 20's specstep (8b-acc3's servers and sweep; results $CARD-specstep-YYYYMMDD.jsonl,
+#     the step = ITL p50 x accepted tokens per step, by benchmarks/summarize.py)
 #   CONFIGS: the servers, in order (default: baseline eagle3 dynamic); also dynamic-tN
 #     (catch-up buffer N), dynamic-splitkv, dynamic-prefill-verify, dynamic-grouped,
 #     dynamic-draft-splitkv / dynamic-prefill-draft-extend (the draft extend through the
@@ -30,6 +32,8 @@ ROW=${ROW:?set ROW}
 case $ROW in
   8b-acc2) SHAPE=8b ACC=2.0 PROMPT=256 ;;
   8b-acc3) SHAPE=8b ACC=3.0 PROMPT=256 ;;
+  # Issue 20's targets are measured on the 8b-acc3 row, in a file of its own name.
+  specstep) SHAPE=8b ACC=3.0 PROMPT=256 KIND=specstep ;;
   8b-acc4) SHAPE=8b ACC=4.0 PROMPT=256 ;;
   3b-acc3) SHAPE=3b ACC=3.0 PROMPT=256 ;;
   # At prompt 2048 two waves per point do not fit one call (the EAGLE-3 sweep alone took 250 s).
@@ -40,13 +44,15 @@ case $ROW in
   offstate-8b | offstate-3b) SHAPE=${ROW#offstate-} ACC=${ACC:-3.0} PROMPT=256 KIND=offstate
     C=${C:-1,8,64,128} REPEATS=${REPEATS:-3}
     [ "$SHAPE" = 3b ] && WAVES=${WAVES:-4} ;;
-  *) echo "ROW must be one of 8b-acc2 8b-acc3 8b-acc4 3b-acc3 8b-p2048-acc3 offstate-8b offstate-3b, got $ROW" >&2
+  *) echo "ROW must be one of 8b-acc2 8b-acc3 8b-acc4 3b-acc3 8b-p2048-acc3 offstate-8b offstate-3b specstep, got $ROW" >&2
      exit 2 ;;
 esac
 source benchmarks/h200/lib.sh  # SHAPE picks the models
 export SGLANG_SIMULATE_ACC_LEN=$ACC
 if [ "${KIND:-decision}" = offstate ]; then
   RESULTS=$OUT/$CARD-offstate-$(date -u +%Y%m%d)-$SHAPE$([ "$ACC" = 3.0 ] || echo "-acc$ACC").jsonl
+elif [ "${KIND:-decision}" = specstep ]; then
+  RESULTS=$OUT/$CARD-specstep-$(date -u +%Y%m%d).jsonl
 else
   RESULTS=$OUT/$CARD-decision-$(date -u +%Y%m%d)-$ROW.jsonl
 fi
