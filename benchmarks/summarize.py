@@ -105,11 +105,10 @@ def print_step_cost(points, concurrencies):
     rows = []
     for cfg in sorted({cfg for (cfg, _) in points} - {"baseline"}):
         for c in concurrencies:
-            base = {r["repeat"]: r for r in points[("baseline", c)]}
             pairs = [
-                (step, base[r["repeat"]]["itl_p50_ms"])
-                for r in points[(cfg, c)]
-                if r["repeat"] in base and (step := speculative_step_ms(r)) is not None
+                (step, b["itl_p50_ms"])
+                for r, b in paired_with_baseline(points, cfg, c)
+                if (step := speculative_step_ms(r)) is not None
             ]
             if pairs:
                 rows.append(
@@ -124,14 +123,20 @@ def print_step_cost(points, concurrencies):
         print("\n".join(rows))
 
 
+def paired_with_baseline(points, cfg, concurrency):
+    """Each repeat of ``cfg`` at ``concurrency`` with the baseline's repeat of the same index
+    (run in the same call), for the repeats both have."""
+    base = {r["repeat"]: r for r in points[("baseline", concurrency)]}
+    return [(r, base[r["repeat"]]) for r in points[(cfg, concurrency)] if r["repeat"] in base]
+
+
 def print_against_baseline(points, concurrencies):
     """Per repeat, paired with the baseline's repeat of the same index (run in the same call)."""
     others = sorted({cfg for (cfg, _) in points} - {"baseline", "eagle3"})
     rows = []
     for cfg in others:
         for c in concurrencies:
-            base = {r["repeat"]: r for r in points[("baseline", c)]}
-            pairs = [(r, base[r["repeat"]]) for r in points[(cfg, c)] if r["repeat"] in base]
+            pairs = paired_with_baseline(points, cfg, c)
             if not pairs:
                 continue
             ratios = [r["output_tok_s"] / b["output_tok_s"] for r, b in pairs]
