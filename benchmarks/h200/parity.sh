@@ -17,7 +17,9 @@
 #   SCHEDULERS=overlap bash benchmarks/h200/parity.sh   # one dynamic server (both ran past 570 s
 #                                                         # on 2026-12-03): sync in the next call
 #   QUICK=1 ...   # only the disk-update and recapture phases after the first run (no at-once
-#                 # control, no tensor update): for a call with little device time left
+#                 # control, no tensor update): for a call with little device time left. With
+#                 # SCHEDULERS=overlap it needs about 420 s on a fresh machine (2026-12-07 on an
+#                 # H100: 400 s ended in the last compare): give it timeout 480
 set -u
 source .gpu/device-env.sh || exit 1
 source benchmarks/h200/tiny_models.sh
