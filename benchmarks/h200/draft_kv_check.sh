@@ -1,21 +1,34 @@
 #!/bin/bash
 # The draft KV after the catch-up on the H200 (SGLang 0.5.17, CUDA graphs, the test bed's tiny
 # random pair, deterministic inference): each finished request's draft K/V rows from an
-# always-speculating EAGLE-3 server, from EAGLE3_DYNAMIC (threshold 3, a 4-position buffer: plain
-# with six requests, flushes every 4 steps, a resume once two are left) with flushes in order and
-# with SGLANG_DYNSPEC_FLUSH_STREAM=1, and from EAGLE3_DYNAMIC without the catch-up (the control:
-# its plain positions were never written, so it must differ there). benchmarks/h200/draft_kv_check.py
-# sends the workload and compares; one JSON line per server in $OUT/draft-kv.jsonl.
+# always-speculating EAGLE-3 server against EAGLE3_DYNAMIC (threshold 3, a 4-position buffer:
+# plain with six requests, flushes every 4 steps, a resume once two are left).
+# benchmarks/h200/draft_kv_check.py sends the workload and compares; one JSON line per
+# comparison in $OUT/draft-kv.jsonl. CHECKS picks the comparisons, in order (default: all):
+#   chain    EAGLE3 and EAGLE3_DYNAMIC with a chain draft (steps 3, topk 1, 4 draft tokens),
+#            flushes in order
+#   stream   the same with SGLANG_DYNSPEC_FLUSH_STREAM=1 (needs chain's reference)
+#   control  EAGLE3_DYNAMIC without the catch-up: its plain positions were never written, so it
+#            must differ there (needs chain's reference)
+#   tree     a tree draft (steps 3, topk 4, 8 draft tokens) on both servers (issue 21 §2)
+# No mixed prefill+decode check: SGLang 0.5.17 refuses --enable-mixed-chunk with any speculative
+# algorithm (server_args asserts it), so mixed catch-ups exist only on 0.5.23, where
+# tests/test_catch_up_e2e.py covers them on the CPU.
+# Decode graphs are captured up to batch 8 (the workload runs six requests): shorter starts.
 # Usage (device, repo root): bash benchmarks/h200/draft_kv_check.sh   (DTYPE=float32 to try fp32)
+#   CHECKS=tree timeout 300 bash benchmarks/h200/draft_kv_check.sh
 set -u
 source .gpu/device-env.sh || exit 1
 source benchmarks/h200/tiny_models.sh
 source benchmarks/h200/lib.sh
-TINY=(--load-format auto --dtype "${DTYPE:-bfloat16}" --enable-deterministic-inference --enable-metrics)
-SPEC=(--speculative-draft-model-path "$M/draft" --speculative-num-steps 3 --speculative-eagle-topk 1
-  --speculative-num-draft-tokens 4)
-DYNAMIC=(--speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --speculative-dynamic-policy threshold
-  --speculative-disable-batch-threshold 3 --speculative-enable-batch-threshold 2 --speculative-min-dwell-steps 0)
+TINY=(--load-format auto --dtype "${DTYPE:-bfloat16}" --enable-deterministic-inference --enable-metrics
+  --cuda-graph-max-bs 8)
+DRAFT=(--speculative-draft-model-path "$M/draft" --speculative-num-steps 3)
+SPEC=("${DRAFT[@]}" --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)
+TREE=("${DRAFT[@]}" --speculative-eagle-topk 4 --speculative-num-draft-tokens 8)
+THRESHOLDS=(--speculative-dynamic-policy threshold --speculative-disable-batch-threshold 3
+  --speculative-enable-batch-threshold 2 --speculative-min-dwell-steps 0 --speculative-catch-up-tokens 4)
+DYNAMIC=(--speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" "${THRESHOLDS[@]}")
 P=benchmarks/h200/draft_kv_check.py
 RESULTS=$OUT/draft-kv.jsonl
 # The dumps go back too (kilobytes: the tiny draft's rows of six requests per server).
@@ -33,12 +46,25 @@ serve() {  # serve NAME [server args...]: one server, the workload, its dumps in
   grep -E "Traceback|Error" "$OUT/server_$name.log" | head -5
 }
 
-serve eagle3 --speculative-algorithm EAGLE3 "${SPEC[@]}" || exit 1
-serve dynamic "${DYNAMIC[@]}" --speculative-catch-up-tokens 4 \
-  && python3 $P compare /tmp/kv-eagle3 /tmp/kv-dynamic --label "EAGLE3_DYNAMIC, flushes in order" | tee -a "$RESULTS"
-SGLANG_DYNSPEC_FLUSH_STREAM=1 serve dynamic-stream "${DYNAMIC[@]}" --speculative-catch-up-tokens 4 \
-  && python3 $P compare /tmp/kv-eagle3 /tmp/kv-dynamic-stream --label "EAGLE3_DYNAMIC, flushes on a side stream" \
-  | tee -a "$RESULTS"
-serve dynamic-t0 "${DYNAMIC[@]}" --speculative-catch-up-tokens 0 \
-  && python3 $P compare /tmp/kv-eagle3 /tmp/kv-dynamic-t0 --label "EAGLE3_DYNAMIC without the catch-up (control)" \
-  | tee -a "$RESULTS"
+compare() {  # compare REFERENCE NAME LABEL
+  python3 $P compare "/tmp/kv-$1" "/tmp/kv-$2" --label "$3" | tee -a "$RESULTS"
+}
+
+for check in ${CHECKS:-chain stream control tree}; do
+  case $check in
+    chain)
+      serve eagle3 --speculative-algorithm EAGLE3 "${SPEC[@]}" || exit 1
+      serve dynamic "${DYNAMIC[@]}" && compare eagle3 dynamic "EAGLE3_DYNAMIC, flushes in order" ;;
+    stream)
+      SGLANG_DYNSPEC_FLUSH_STREAM=1 serve dynamic-stream "${DYNAMIC[@]}" \
+        && compare eagle3 dynamic-stream "EAGLE3_DYNAMIC, flushes on a side stream" ;;
+    control)
+      serve dynamic-t0 "${DYNAMIC[@]}" --speculative-catch-up-tokens 0 \
+        && compare eagle3 dynamic-t0 "EAGLE3_DYNAMIC without the catch-up (control)" ;;
+    tree)
+      serve eagle3-tree --speculative-algorithm EAGLE3 "${TREE[@]}" || exit 1
+      serve dynamic-tree --speculative-algorithm EAGLE3_DYNAMIC "${TREE[@]}" "${THRESHOLDS[@]}" \
+        && compare eagle3-tree dynamic-tree "EAGLE3_DYNAMIC, tree draft (topk 4, 8 draft tokens)" ;;
+    *) echo "CHECKS: chain, stream, control or tree, got $check" >&2; exit 2 ;;
+  esac
+done
