@@ -14,9 +14,11 @@
 # No mixed prefill+decode check: SGLang 0.5.17 refuses --enable-mixed-chunk with any speculative
 # algorithm (server_args asserts it), so mixed catch-ups exist only on 0.5.23, where
 # tests/test_catch_up_e2e.py covers them on the CPU.
-# Decode graphs are captured up to batch 8 (the workload runs six requests): shorter starts.
+# Decode graphs are captured up to batch 8 (the workload runs six requests). Even so a tiny
+# server's start took 105 s on a fresh H100 (2026-12-07, flashinfer JIT included; 84-130 s on the
+# H200 with graphs to 128), so each server needs about 100 s and each pair about 200 s.
 # Usage (device, repo root): bash benchmarks/h200/draft_kv_check.sh   (DTYPE=float32 to try fp32)
-#   CHECKS=tree timeout 300 bash benchmarks/h200/draft_kv_check.sh
+#   CHECKS="tree chain control" timeout 540 bash benchmarks/h200/draft_kv_check.sh   (5 servers)
 set -u
 source .gpu/device-env.sh || exit 1
 source benchmarks/h200/tiny_models.sh
