@@ -19,7 +19,8 @@ the wrong state, differs by its own size. Per position: max |a - b| / max |b| ov
 row. Prints one JSON line: positions compared, how many exceed ``--tolerance`` (0.1),
 the worst ratio, and the positions over it by request, with those in the stale tail of a
 short request (its last ``--stale-tail`` positions: it finished while plain, and those were
-never replayed) apart. The first run (2026-12-04, before both rules) found 8 rows over: three
+never replayed) apart; per request (``by_request``) the rows compared, the prompt's rows among
+them and the worst ratio outside the stale tail. The first run (2026-12-04, before both rules) found 8 rows over: three
 in short0's tail and one at each other request's position before its tokens first differed.
 """
 
@@ -57,7 +58,7 @@ def _by_prompt(directory: Path) -> dict[str, dict]:
 
 def compare(reference: Path, candidate: Path, label: str, tolerance: float, stale_tail: int) -> dict:
     ref, got = _by_prompt(reference), _by_prompt(candidate)
-    positions, over, tails, worst = 0, {}, {}, 0.0
+    positions, over, tails, worst, per_request = 0, {}, {}, 0.0, {}
     for rid in sorted(set(ref) & set(got)):
         a, b = got[rid], ref[rid]
         same = 0
@@ -81,6 +82,12 @@ def compare(reference: Path, candidate: Path, label: str, tolerance: float, stal
         # A request that finished while plain keeps its last positions in the catch-up's
         # buffer, never replayed (the documented stale tail; tests/test_catch_up_e2e.py).
         tail_from = a["k"].shape[1] - stale_tail if rid.startswith("short") else a["k"].shape[1]
+        body = ratio[: min(n, tail_from)]
+        per_request[rid] = {
+            "rows": n,
+            "prompt_rows": _prompt_len(rid),
+            "worst_outside_stale_tail": round(float(body.max()), 4) if len(body) else 0.0,
+        }
         if [p for p in bad if p >= tail_from]:
             tails[rid] = [p for p in bad if p >= tail_from]
         if [p for p in bad if p < tail_from]:
@@ -95,7 +102,14 @@ def compare(reference: Path, candidate: Path, label: str, tolerance: float, stal
         "worst_ratio": round(worst, 4),
         "over_by_request": {rid: v[:20] for rid, v in over.items()},
         "stale_tail_over_tolerance": {rid: v for rid, v in tails.items()},
+        # Rows compared per request (prompt rows, written by the prefill, among them) and the
+        # worst ratio outside the stale tail: how many plain-decoded rows the check reached.
+        "by_request": per_request,
     }
+
+
+def _prompt_len(rid: str) -> int:
+    return {r.rid: len(r.input_ids) for r in LONG + SHORT}[rid]
 
 
 def main() -> None:
