@@ -19,9 +19,9 @@ the wrong state, differs by its own size. Per position: max |a - b| / max |b| ov
 row. Prints one JSON line: positions compared, how many exceed ``--tolerance`` (0.1),
 the worst ratio, and the positions over it by request, with those in the stale tail of a
 short request (its last ``--stale-tail`` positions: it finished while plain, and those were
-never replayed) apart; per request (``by_request``) the rows compared, the prompt's rows among
-them and the worst ratio outside the stale tail. The first run (2026-12-04, before both rules) found 8 rows over: three
-in short0's tail and one at each other request's position before its tokens first differed.
+never replayed) apart; per request (``by_request``) the rows compared, the prompt's rows
+among them and the worst ratio outside the stale tail. The first run (2026-12-04, before both
+rules) found 8 rows over: three in short0's tail and one at each other request's position before its tokens first differed.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from dynspec_testbed.workload import random_requests, run_waves
 
 LONG = random_requests(2, seed=21, prefix="long", prompt_len=(40, 60), new_tokens=(120, 120))
 SHORT = random_requests(4, seed=22, prefix="short", prompt_len=(40, 60), new_tokens=(40, 40))
+PROMPTS = {r.rid: list(r.input_ids) for r in LONG + SHORT}
 
 
 def run(url: str) -> None:
@@ -47,10 +48,9 @@ def run(url: str) -> None:
 
 
 def _by_prompt(directory: Path) -> dict[str, dict]:
-    prompts = {r.rid: list(r.input_ids) for r in LONG + SHORT}
     out = {}
     for record in load_dumps(directory).values():
-        for rid, prompt in prompts.items():
+        for rid, prompt in PROMPTS.items():
             if record["token_ids"][: len(prompt)] == prompt:
                 out[rid] = record
     return out
@@ -85,7 +85,7 @@ def compare(reference: Path, candidate: Path, label: str, tolerance: float, stal
         body = ratio[: min(n, tail_from)]
         per_request[rid] = {
             "rows": n,
-            "prompt_rows": _prompt_len(rid),
+            "prompt_rows": len(PROMPTS[rid]),
             "worst_outside_stale_tail": round(float(body.max()), 4) if len(body) else 0.0,
         }
         if [p for p in bad if p >= tail_from]:
@@ -103,13 +103,10 @@ def compare(reference: Path, candidate: Path, label: str, tolerance: float, stal
         "over_by_request": {rid: v[:20] for rid, v in over.items()},
         "stale_tail_over_tolerance": {rid: v for rid, v in tails.items()},
         # Rows compared per request (prompt rows, written by the prefill, among them) and the
-        # worst ratio outside the stale tail: how many plain-decoded rows the check reached.
+        # worst ratio outside the stale tail: how many decode rows the check reached (which of
+        # them ran plain, the server log's switches say).
         "by_request": per_request,
     }
-
-
-def _prompt_len(rid: str) -> int:
-    return {r.rid: len(r.input_ids) for r in LONG + SHORT}[rid]
 
 
 def main() -> None:
