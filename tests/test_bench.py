@@ -340,6 +340,50 @@ def test_payloads_are_reproducible_and_distinct_per_seed():
     assert isinstance(t["text"], str) and len(t["text"].split()) == 16
 
 
+def test_first_tokens_never_repeat_within_a_run_and_follow_the_seed():
+    span = (1000, 1010)
+    run = client.FirstTokens("0", span)
+    taken = [run.take() for _ in range(25)]
+    assert all(1000 <= t < 1010 for t in taken)
+    assert len(set(taken[:10])) == 10  # a whole span before any repeat
+    assert taken[10:20] == taken[:10]  # then the same cycle
+    again = client.FirstTokens("0", span)
+    assert [again.take() for _ in range(25)] == taken
+    others = {tuple(client.FirstTokens(str(s), span).take() for _ in range(3)) for s in range(20)}
+    assert len(others) > 1  # the offset follows the seed
+
+
+def test_first_tokens_change_only_the_first_token():
+    plain = client.make_payloads(40, 16, 8, False, (1000, 32000), "0/c4/r0")
+    first = client.FirstTokens("0", (1000, 32000))
+    fixed = client.make_payloads(40, 16, 8, False, (1000, 32000), "0/c4/r0", first)
+    assert [p["input_ids"][1:] for p in fixed] == [p["input_ids"][1:] for p in plain]
+    same_run = client.FirstTokens("0", (1000, 32000))
+    assert [p["input_ids"][0] for p in fixed] == [same_run.take() for _ in range(40)]
+    text = client.make_payloads(2, 16, 8, True, (1000, 32000), "x", client.FirstTokens("0", (1000, 32000)))
+    assert text == client.make_payloads(2, 16, 8, True, (1000, 32000), "x")
+
+
+def test_sweep_prompts_never_share_a_first_token(tmp_path):
+    # SGLang's radix cache matches a baseline server's prompts on one token (EAGLE
+    # servers on token pairs): a shared first token would be cached prefill for the
+    # baseline only (client.FirstTokens). Warmup and every point of a run included.
+    def run(out):
+        fake = FakeSGLang(step_s=0.002, spec_tokens=1)
+        with FakeServerThread(fake) as url:
+            args = ("--concurrency", "4,8", "--warmup", "2", "--repeats", "2", "--token-range", "1000:1100")
+            assert _sweep(url, out, *args) == 0
+        return fake.prompts
+
+    prompts = run(tmp_path / "a.jsonl")
+    heads = [p[0] for p in prompts]
+    assert len(prompts) == 2 + 2 * (8 + 16)
+    assert len(set(heads)) == len(heads)
+    # 50 prompts from 100 ids: without FirstTokens a shared first token is near certain
+    # (1 - P(no pair) > 0.99), so this test can fail.
+    assert sorted(heads) == sorted(p[0] for p in run(tmp_path / "b.jsonl"))
+
+
 def test_jsonl_writer_never_writes_nan(tmp_path):
     path = tmp_path / "r.jsonl"
     with records.JsonlWriter(str(path)) as w:

@@ -50,9 +50,14 @@ start_server() {
 # whose connector has no cap: the shared harness's .gpu/client.py uses aiohttp's default of 100
 # connections, so its "C=128" points ran 100 requests at a time (the servers' logs of
 # h100-20261206b-0043f33 show #running-req 100).
+# The seed names the point, not the config: every server gets the same prompts. Within a
+# point no two prompts share a first token (bench client.FirstTokens: a baseline's radix cache
+# would serve it from the cache); two points on one server draw theirs at offsets derived from
+# their seeds, so they seldom share one (one sweep over all points would never).
 closed_loop() {
   python3 -m sglang_dynspec.bench sweep --url "$URL" --config "$1" --concurrency "$2" \
     --prompt-len "$3" --output-len "$4" --requests-per-point "$5" --repeats 1 --warmup 0 \
+    --seed "c$2-p$3-o$4-n$5" \
     --no-progress --tag "hw=$HW_TAG" --out "$6"
 }
 

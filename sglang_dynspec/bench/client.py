@@ -28,6 +28,7 @@ client never looks at ``output_ids`` or ``text``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import random
 import time
@@ -92,19 +93,58 @@ def normalize_base_url(url: str) -> str:
     return url
 
 
+class FirstTokens:
+    """First token ids that no two prompts of one run share.
+
+    Random prompts share a first token now and then (about four pairs among
+    512 prompts drawn from 31,000 ids). SGLang's radix cache then serves that
+    token from the cache on a server without speculative decoding only: EAGLE
+    servers key the cache by token pairs (``RadixKey``'s bigram view), so they
+    never match one token. On the baseline those few cached tokens shift the
+    chunked prefill's chunks off the prompts (33 requests per 8,192-token
+    chunk, one of them split), and at concurrency 128 with
+    ``--max-running-requests 128`` it then ran 127 requests with one queued for
+    a whole request's length, and ended each point with 2-3 requests decoding
+    alone for about 240 steps (benchmarks/results/h100-20261207d-d03009e/README.md).
+    A baseline slowed that way flatters every ratio taken over it.
+
+    The ``k``-th prompt of a run starts with ``lo + (offset + k) mod (hi - lo)``,
+    the offset derived from the run's seed: no repeat within a run of fewer
+    than ``hi - lo`` prompts, and the same ids on every server given the same
+    seed and points. Separate runs on one server should use distinct seeds.
+    Token-id prompts only: a text prompt's first token is the tokenizer's.
+    """
+
+    def __init__(self, seed: str, token_range: tuple[int, int]) -> None:
+        lo, hi = token_range
+        self._lo, self._span = lo, hi - lo
+        digest = hashlib.sha256(f"{seed}/first-tokens".encode()).digest()
+        self._next = int.from_bytes(digest[:8], "big") % self._span
+
+    def take(self) -> int:
+        token = self._lo + self._next % self._span
+        self._next += 1
+        return token
+
+
 def make_prompt(
     rng: random.Random,
     prompt_len: int,
     text: bool,
     token_range: tuple[int, int],
+    first_tokens: FirstTokens | None = None,
 ):
     """A random prompt: ``prompt_len`` token ids drawn uniformly from
-    ``token_range`` (half-open), or ``prompt_len`` random common English
-    words when ``text`` is true (token count then only approximate)."""
+    ``token_range`` (half-open), the first one from ``first_tokens`` when
+    given, or ``prompt_len`` random common English words when ``text`` is
+    true (token count then only approximate; ``first_tokens`` unused)."""
     if text:
         return " ".join(rng.choice(_WORDS) for _ in range(prompt_len))
     lo, hi = token_range
-    return [rng.randrange(lo, hi) for _ in range(prompt_len)]
+    prompt = [rng.randrange(lo, hi) for _ in range(prompt_len)]
+    if first_tokens is not None and prompt:
+        prompt[0] = first_tokens.take()
+    return prompt
 
 
 def make_payload(prompt, output_len: int) -> dict[str, object]:
@@ -129,16 +169,20 @@ def make_payloads(
     text: bool,
     token_range: tuple[int, int],
     seed: str,
+    first_tokens: FirstTokens | None = None,
 ) -> list[dict[str, object]]:
     """``n`` request bodies from a reproducible seed.
 
     Two runs with the same seed send byte-identical prompts, so a baseline and
     a candidate server see the same work.  Callers derive a distinct seed per
-    point and repeat so prompts do not hit the radix (prefix) cache of an
-    earlier measurement.
+    point and repeat, and pass the run's :class:`FirstTokens`, so that no
+    prompt hits the radix (prefix) cache of another.
     """
     rng = random.Random(seed)  # str seeds hash with SHA-512: stable across runs
-    return [make_payload(make_prompt(rng, prompt_len, text, token_range), output_len) for _ in range(n)]
+    return [
+        make_payload(make_prompt(rng, prompt_len, text, token_range, first_tokens), output_len)
+        for _ in range(n)
+    ]
 
 
 # How long an idle pooled connection may be reused. SGLang's HTTP server closes a

@@ -260,10 +260,11 @@ async def _drive(args, session, generate_url: str, base: str, out: JsonlWriter):
     """Run the load steps while polling; returns samples, traces (seconds
     since start), steps, poller and duration."""
     rng = random.Random(f"{args.seed}/ramp")
+    first_tokens = client.FirstTokens(f"{args.seed}/ramp", args.token_range)
 
     def next_payload():
         return client.make_payload(
-            client.make_prompt(rng, args.prompt_len, args.text, args.token_range),
+            client.make_prompt(rng, args.prompt_len, args.text, args.token_range, first_tokens),
             args.output_len,
         )
 

@@ -93,6 +93,9 @@ async def run_sweep(args: argparse.Namespace) -> int:
         if info is None:
             log(f"note: {base} has no /server_info; 'sglang' will be null")
         use_metrics = await _metrics_or_none(session, base) is not None
+        # One sequence of first tokens for the whole run (warmup and every point):
+        # no prompt of the run shares a first token with another (client.FirstTokens).
+        first_tokens = client.FirstTokens(args.seed, args.token_range)
 
         if args.warmup > 0:
             payloads = client.make_payloads(
@@ -102,6 +105,7 @@ async def run_sweep(args: argparse.Namespace) -> int:
                 args.text,
                 args.token_range,
                 f"{args.seed}/warmup",
+                first_tokens,
             )
             with tqdm(
                 total=len(payloads), desc="warmup", leave=False, disable=not args.progress, file=sys.stderr
@@ -129,6 +133,7 @@ async def run_sweep(args: argparse.Namespace) -> int:
                         args.text,
                         args.token_range,
                         f"{args.seed}/c{conc}/r{repeat}",
+                        first_tokens,
                     )
                     before = await _metrics_or_none(session, base) if use_metrics else None
                     with tqdm(

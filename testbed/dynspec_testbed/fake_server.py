@@ -96,6 +96,8 @@ class FakeSGLang:
 
         self.active: dict[int, _Req] = {}
         self.num_requests = 0
+        # Each request's prompt as received (token ids or text), in arrival order.
+        self.prompts: list[list[int] | str] = []
         self.num_switches = 0
         self._rids = itertools.count()
         self._wake: asyncio.Event | None = None
@@ -209,6 +211,7 @@ class FakeSGLang:
         max_new = int(sp.get("max_new_tokens", 128))
         rid = next(self._rids)
         self.num_requests += 1
+        self.prompts.append(body.get("input_ids", body.get("text")))
         queue: asyncio.Queue = asyncio.Queue()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
