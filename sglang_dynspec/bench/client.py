@@ -102,11 +102,12 @@ class FirstTokens:
     servers key the cache by token pairs (``RadixKey``'s bigram view), so they
     never match one token. On the baseline those few cached tokens shift the
     chunked prefill's chunks off the prompts (33 requests per 8,192-token
-    chunk, one of them split), and at concurrency 128 with
-    ``--max-running-requests 128`` it then ran 127 requests with one queued for
-    a whole request's length, and ended each point with 2-3 requests decoding
-    alone for about 240 steps (benchmarks/results/h100-20261207d-d03009e/README.md).
-    A baseline slowed that way flatters every ratio taken over it.
+    chunk, one of them split). In the run where this was seen, at concurrency
+    128 with ``--max-running-requests 128``, the baseline alone also ran 127
+    requests with one queued for a whole request's length and ended each point
+    with 2-3 requests decoding alone for about 240 steps
+    (benchmarks/results/h100-20261207d-d03009e/README.md; the link between the
+    two is inferred). Either way the servers should not see different work.
 
     The ``k``-th prompt of a run starts with ``lo + (offset + k) mod (hi - lo)``,
     the offset derived from the run's seed: no repeat within a run of fewer
