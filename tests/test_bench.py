@@ -117,6 +117,7 @@ def test_summarize_point_from_known_traces():
     # a: 4 tokens / 0.3 s, b: 2 tokens / 0.5 s
     assert s["per_request_tok_s"] == pytest.approx((4 / 0.3 + 2 / 0.5) / 2)
     assert s["ttft_p50_ms"] == pytest.approx(150.0)  # ttfts 100 ms and 200 ms
+    assert s["ttft_max_ms"] == pytest.approx(200.0)
     # ITLs: a -> 50, 50, 100 ms; b -> 200 ms
     assert s["itl_p50_ms"] == pytest.approx(75.0)
     assert s["itl_mean_ms"] == pytest.approx(100.0)

@@ -30,6 +30,7 @@ SWEEP_POINT_KEYS = (
     "per_request_tok_s",
     "ttft_p50_ms",
     "ttft_p99_ms",
+    "ttft_max_ms",
     "itl_p50_ms",
     "itl_p99_ms",
     "num_requests",
