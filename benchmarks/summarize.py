@@ -13,7 +13,10 @@ configuration (the off-state runs: ``dynamic-t384``, ``dynamic-plain``, or ``dyn
 EAGLE-3 server), each repeat's output tok/s over the baseline's in the same repeat, their median,
 and each repeat's ITL p99 over the baseline's: issue 19's targets. Last, the speculative step
 (issue 20): ITL p50 × accepted tokens per step of each point that speculated on every decode step,
-over the plain step (the baseline's ITL p50) in the same repeat.
+over the plain step (the baseline's ITL p50) in the same repeat. And the points where a
+request waited for its first token at least half as long as a request takes in all
+(``ttft_max_ms``, recorded since 4bcd007): a server that left a request queued for a whole
+wave (a C=128 baseline of 2026-12-07) looks slower than its steps are.
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ def main(path, where=(), dynamic="dynamic"):
         print(f"| {c} | " + " | ".join(cells) + " |")
     print_against_baseline(points, concurrencies)
     print_step_cost(points, concurrencies)
+    print_late_first_tokens(points, concurrencies)
 
 
 def speculative_step_ms(record):
@@ -120,6 +124,33 @@ def print_step_cost(points, concurrencies):
         print()
         print("| config | C | speculative step ms, per repeat | plain step ms (baseline ITL p50) | ratio |")
         print("|---|---|---|---|---|")
+        print("\n".join(rows))
+
+
+def late_first_token(record):
+    """The longest wait for a first token over a request's whole time (output_len over the
+    mean per-request tok/s), when it is at least half of it; None otherwise or unrecorded.
+    A request the server left queued for a wave of same-length requests waits about one
+    request's time; the slowest 1% of first tokens at C=128 waited about a quarter of it
+    (the baseline's TTFT p99 over output_len / per-request tok/s, 2026-12-07)."""
+    ttft_max, rate = record.get("ttft_max_ms"), record.get("per_request_tok_s")
+    if ttft_max is None or not rate or not record.get("output_len"):
+        return None
+    share = ttft_max / (1000.0 * record["output_len"] / rate)
+    return share if share >= 0.5 else None
+
+
+def print_late_first_tokens(points, concurrencies):
+    rows = [
+        f"| {cfg} | {c} | {r['repeat']} | {r['ttft_max_ms']:,.0f} | {r['ttft_p99_ms']:,.0f} | {share:.2f} |"
+        for (cfg, c), records in sorted(points.items())
+        for r in sorted(records, key=lambda r: r["repeat"])
+        if (share := late_first_token(r)) is not None
+    ]
+    if rows:
+        print()
+        print("| config | C | repeat | TTFT max ms | TTFT p99 ms | TTFT max ÷ a request's time |")
+        print("|---|---|---|---|---|---|")
         print("\n".join(rows))
 
 

@@ -70,3 +70,19 @@ def test_points_without_acceptance_or_with_plain_steps_have_no_step(summarize):
     assert summarize.speculative_step_ms(point("baseline", 1, 0, 100, 5.0)) is None
     assert summarize.speculative_step_ms(point("dynamic", 1, 0, 100, 5.0, accept=2.0, spec_frac=0.99)) is None
     assert summarize.speculative_step_ms(point("dynamic", 1, 0, 100, 5.0, accept=2.0, spec_frac=1.0)) == 10.0
+
+
+def test_a_first_token_that_waited_half_a_request_is_listed(tmp_path, summarize, capsys):
+    # 256 tokens at 100 tok/s per request: 2.56 s a request.
+    late = {**point("baseline", 128, 1, 8000, 10.0), "per_request_tok_s": 100.0, "output_len": 256}
+    queued = {**late, "ttft_p99_ms": 750.0, "ttft_max_ms": 2400.0}  # waited a whole wave
+    busy = {**late, "repeat": 0, "ttft_p99_ms": 750.0, "ttft_max_ms": 800.0}  # a prefill queue
+    old = point("dynamic", 128, 0, 9000, 10.0)  # written before ttft_max_ms existed
+    assert summarize.late_first_token(queued) == pytest.approx(2400 / 2560)
+    assert summarize.late_first_token(busy) is None and summarize.late_first_token(old) is None
+    results = tmp_path / "row.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in (busy, queued, old)))
+    summarize.main(str(results))
+    table = capsys.readouterr().out.split("| config | C | repeat | TTFT max ms")[1]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows == ["| baseline | 128 | 1 | 2,400 | 750 | 0.94 |"]
