@@ -21,7 +21,8 @@ the worst ratio, and the positions over it by request, with those in the stale t
 short request (its last ``--stale-tail`` positions: it finished while plain, and those were
 never replayed) apart; per request (``by_request``) the rows compared, the prompt's rows
 among them and the worst ratio outside the stale tail. The first run (2026-12-04, before both
-rules) found 8 rows over: three in short0's tail and one at each other request's position before its tokens first differed.
+rules) found 8 rows over: three in short0's tail and one at each other request's position
+before its tokens first differed.
 """
 
 from __future__ import annotations
