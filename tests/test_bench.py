@@ -370,7 +370,7 @@ def test_sweep_prompts_never_share_a_first_token(tmp_path):
     # servers on token pairs): a shared first token would be cached prefill for the
     # baseline only (client.FirstTokens). Warmup and every point of a run included.
     def run(out):
-        fake = FakeSGLang(step_s=0.002, spec_tokens=1)
+        fake = FakeSGLang(step_s=0.002, spec_tokens=1, keep_prompts=True)
         with FakeServerThread(fake) as url:
             args = ("--concurrency", "4,8", "--warmup", "2", "--repeats", "2", "--token-range", "1000:1100")
             assert _sweep(url, out, *args) == 0
@@ -383,6 +383,13 @@ def test_sweep_prompts_never_share_a_first_token(tmp_path):
     # 50 prompts from 100 ids: without FirstTokens a shared first token is near certain
     # (1 - P(no pair) > 0.99), so this test can fail.
     assert sorted(heads) == sorted(p[0] for p in run(tmp_path / "b.jsonl"))
+
+
+def test_fake_server_keeps_prompts_only_when_asked(tmp_path):
+    fake = FakeSGLang(step_s=0.002, spec_tokens=1)
+    with FakeServerThread(fake) as url:
+        assert _sweep(url, tmp_path / "r.jsonl", "--concurrency", "2", "--warmup", "0") == 0
+    assert fake.num_requests > 0 and fake.prompts == []
 
 
 def test_jsonl_writer_never_writes_nan(tmp_path):

@@ -79,6 +79,7 @@ class FakeSGLang:
         incremental: bool = False,
         skip_tokenizer_init: bool = False,
         error_every: int = 0,
+        keep_prompts: bool = False,
     ):
         self.step_s = step_s
         self.spec_tokens = spec_tokens
@@ -96,7 +97,10 @@ class FakeSGLang:
 
         self.active: dict[int, _Req] = {}
         self.num_requests = 0
-        # Each request's prompt as received (token ids or text), in arrival order.
+        # With keep_prompts, each request's prompt as received (token ids or text), in
+        # arrival order, for tests; off by default so that a long-running fake holds no
+        # per-request state after the request ends.
+        self.keep_prompts = keep_prompts
         self.prompts: list[list[int] | str] = []
         self.num_switches = 0
         self._rids = itertools.count()
@@ -211,7 +215,8 @@ class FakeSGLang:
         max_new = int(sp.get("max_new_tokens", 128))
         rid = next(self._rids)
         self.num_requests += 1
-        self.prompts.append(body.get("input_ids", body.get("text")))
+        if self.keep_prompts:
+            self.prompts.append(body.get("input_ids", body.get("text")))
         queue: asyncio.Queue = asyncio.Queue()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
