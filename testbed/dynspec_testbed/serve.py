@@ -31,6 +31,8 @@ Environment variables
         it off on CPU). See ``dynspec_testbed.plugin``.
     ``SGLANG_USE_CPU_ENGINE``, ``SGLANG_DYNSPEC_TESTBED``, ``PYTHONPATH``
         Set by this module, as described above.
+    ``SGLANG_PYSPY_DUMP_BEFORE_CRASH``, ``SGLANG_CUDA_COREDUMP_BEFORE_CRASH``
+        ``0`` unless set: SGLang's crash diagnostics sleep 5 s on every SIGTERM.
 """
 
 import os
@@ -42,6 +44,8 @@ from dynspec_testbed.plugin import OVERLAP_ENV, TESTBED_ENV
 from sglang_dynspec.config import env_bool
 
 MODULE = "dynspec_testbed.serve"
+# SGLang's switches for py-spy and CUDA core dumps before a crash (srt/environ.py).
+CRASH_DIAGNOSTICS_ENV = ("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH")
 
 # (flag, value, flags that already decide it). A default is added only when none
 # of its deciding flags is on the command line.
@@ -75,6 +79,13 @@ def server_environment(base: Mapping[str, str]) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([shim, *entries])
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env[TESTBED_ENV] = "1"
+    # SGLang answers SIGTERM (a server stopped by its process group: the scheduler
+    # exits first) with crash diagnostics that begin with a 5 s sleep "to let GPU
+    # activity settle", then py-spy and a CUDA core dump of schedulers that are gone
+    # by then. On the CPU there is neither GPU activity nor a core dump to take, and
+    # the sleep was 5 s of every one of the test suite's server stops.
+    for diagnostics in CRASH_DIAGNOSTICS_ENV:
+        env.setdefault(diagnostics, "0")
     return env
 
 
