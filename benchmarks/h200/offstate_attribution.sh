@@ -11,7 +11,8 @@
 #   2. prefill only (output 1 token, 8xC requests at C=64): the EAGLE-3 prefill path's
 #      cost beside the baseline's, with no decode step at all (kind prefill_only);
 #   3. for PROFILE_CONFIGS (default baseline dynamic), a torch-profiler trace of PROFILE_STEPS (default 30)
-#      forward steps of a steady C=64 load (8xC requests, PROFILE_REQ_PER_C) (160 or more see a buffer-full flush of the
+#      forward steps of a steady load at PROFILE_C (default 64; 8xC requests, PROFILE_REQ_PER_C; the
+#      load's own record in $OUT/logs/profile-load.jsonl) (160 or more see a buffer-full flush of the
 #      default 128-position buffer), summarized on the device (benchmarks/profiles/summarize_trace.py), and
 #      the kernels per decode step of each against the baseline (--diff), in
 #      $OUT/profiles.md; the traces are not brought back (too large).
@@ -90,7 +91,11 @@ for cfg in $CONFIG_LIST; do
   esac
   case " ${PROFILE_CONFIGS-baseline dynamic} " in *" $cfg "*)
     # 8xC requests: 200 profiled steps end before the load does (4xC did not on 2026-12-03).
-    REQ_PER_C=${PROFILE_REQ_PER_C:-8} python3 .gpu/client.py "$URL" 64 256 256 > /dev/null &
+    # The plugin's bench client (lib.sh closed_loop): the harness's .gpu/client.py holds at
+    # most 100 connections, so it cannot load C=128, and its prompts may share first tokens.
+    PC=${PROFILE_C:-64}
+    closed_loop "$cfg" "$PC" 256 256 $((${PROFILE_REQ_PER_C:-8} * PC)) "$OUT/logs/profile-load.jsonl" \
+      > /dev/null 2>> "$OUT/logs/profile-load.err" &
     LOAD=$!
     sleep 4
     curl -s -X POST "$URL/start_profile" -H 'Content-Type: application/json' \
