@@ -25,7 +25,8 @@ HW_TAG=${HW_TAG:-unknown-gpu}
 # The card's short name for results files (h100-decision-..., h200-offstate-...).
 case $HW_TAG in *H100*) CARD=h100 ;; *H200*) CARD=h200 ;; *) CARD=gpu ;; esac
 # The JIT caches of an earlier machine, when carried (.gpu/jit-cache.tar.xz: ~/.triton/cache and
-# ~/.cache/flashinfer, packed by save_jit_cache below from a machine with the same bundle; the
+# ~/.cache/flashinfer of a machine with the same bundle, packed at the end of a call with
+# `tar -cJf $OUT/jit-cache.tar.xz -C $HOME .triton/cache .cache/flashinfer`, about 1.4 MB; the
 # H100 and the H200 are both sm_90). A fresh machine's first server otherwise compiles them
 # while it captures its graphs: 60 s against 9 s for the next server on the H100 of
 # ../results/h100-20261207d-d03009e. Both caches are keyed by kernel source and target, so an
@@ -33,11 +34,6 @@ case $HW_TAG in *H100*) CARD=h100 ;; *H200*) CARD=h200 ;; *) CARD=gpu ;; esac
 if [ -f .gpu/jit-cache.tar.xz ] && [ ! -e "$HOME/.jit-cache-unpacked" ]; then
   tar -xJf .gpu/jit-cache.tar.xz -C "$HOME" && touch "$HOME/.jit-cache-unpacked"
 fi
-# save_jit_cache: packs this machine's JIT caches into $OUT/jit-cache.tar.xz (about 1.4 MB), to
-# be copied to .gpu/ for the next call's fresh machine. At the end of a call, under a timeout.
-save_jit_cache() {
-  tar -cJf "$OUT/jit-cache.tar.xz" -C "$HOME" .triton/cache .cache/flashinfer 2>/dev/null
-}
 EAGLE_ARGS=(--speculative-draft-model-path "$DRAFT" --speculative-draft-load-format dummy)
 
 # start_server NAME [extra server args...]: starts, waits for /health; returns 1 if it died.
