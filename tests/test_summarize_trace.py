@@ -64,3 +64,30 @@ def test_summary_reads_each_phase_and_the_kernels_inside_it(tmp_path):
     draft = text.split("Inside `draft`, mean ms per annotation (2):")[1].split("Inside")[0]
     assert "0.300 ms `draft_gemm`" in draft and "0.100 ms `draft_norm`" in draft
     assert "0.800 ms `_fwd_kernel`" in text.split("Inside `draft_extend`")[1]
+
+
+def test_step_periods_name_what_the_slow_steps_hold():
+    """Nine plain decode steps 10 ms apart and one 30 ms period that holds a prefill:
+    the median stays 10 ms, the time above it is the prefill's period, and the longest
+    period's row names the prefill, its kernel time and the GPU's idle time."""
+    events, t = [], 0
+    for step in range(11):
+        events += [annotation("step[DECODE bs=128]", t, 8000), kernel("decode_gemm", t + 500, 7000)]
+        if step == 4:
+            events += [
+                annotation("step[EXTEND bs=8]", t + 9000, 15000),
+                kernel("extend_gemm", t + 9500, 14000),
+            ]
+            t += 30_000
+        else:
+            t += 10_000
+
+    lines = load_script().step_periods(events, top=2)
+    text = "\n".join(lines)
+
+    assert "Decode-step periods (10): median 10.00 ms, mean 12.00, p90 30.00, p99 30.00, max 30.00" in text
+    assert "time above the median 20.0 ms (16.7% of the steps' time), 1 periods over twice the median" in text
+    longest = lines[lines.index("|---|---|---|---|---|") + 1]
+    assert longest == "| 30.00 | 40.0 | `step[EXTEND` x1 | 21.00 | 9.00 |", longest
+    # The next row is the first ordinary step: no annotation inside, 7 ms of kernels, 3 ms idle.
+    assert lines[lines.index("|---|---|---|---|---|") + 2] == "| 10.00 | 0.0 | - | 7.00 | 3.00 |"

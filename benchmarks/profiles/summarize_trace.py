@@ -6,7 +6,10 @@
 Per trace: for each GPU step annotation SGLang writes (``step[DECODE bs=..]``,
 ``draft_extend`` ...), how many, their mean span on the GPU timeline, the mean kernel
 time inside them (span - kernel time = the GPU waiting for the host) and the mean
-period between the starts of consecutive ones (what a step costs the server); the GPU's
+period between the starts of consecutive ones (what a step costs the server); the decode
+steps' periods as a distribution (median, mean, p90, p99, the time above the median) and
+what lies inside the longest ones (other annotations, kernel time, the GPU idle): where a
+server's mean step exceeds its median, the slow steps say why; the GPU's
 busy share of the traced window and the kernel time outside every step annotation
 (work the plugin or SGLang queues between steps); the kernels that take the most time,
 over the trace and inside each annotation kind (mean milliseconds per annotation: which
@@ -51,6 +54,54 @@ def _decode_steps(annotations):
     return [a for a in annotations if "DECODE" in a["name"] or "TARGET_VERIFY" in a["name"]]
 
 
+def _quantile(sorted_values: list[float], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def step_periods(events: list[dict], top: int = 5) -> list[str]:
+    """The decode steps' periods (start to next start) as a distribution, and the
+    ``top`` longest with what runs inside them: the other annotations that start in
+    the period (a prefill, a flush, a draft extend), the kernel time and the GPU idle."""
+    decode = _decode_steps(_annotations(events))
+    if len(decode) < 3:
+        return []
+    kernels = _kernels(events)
+    starts = [k["ts"] for k in kernels]
+    decode_ids = {id(a) for a in decode}
+    others = [
+        a for a in _annotations(events) if id(a) not in decode_ids and not a["name"].startswith("scheduler.")
+    ]
+    periods = [(b["ts"] - a["ts"], a["ts"], b["ts"]) for a, b in zip(decode, decode[1:])]
+    values = sorted(p for p, _, _ in periods)
+    median = _quantile(values, 0.5)
+    excess = sum(v - median for v in values if v > median)
+    slow = [v for v in values if v > 2 * median]
+    lines = [
+        "",
+        f"Decode-step periods ({len(values)}): median {median / 1e3:.2f} ms, mean "
+        f"{sum(values) / len(values) / 1e3:.2f}, p90 {_quantile(values, 0.9) / 1e3:.2f}, p99 "
+        f"{_quantile(values, 0.99) / 1e3:.2f}, max {values[-1] / 1e3:.2f}; time above the median "
+        f"{excess / 1e3:.1f} ms ({excess / sum(values):.1%} of the steps' time), "
+        f"{len(slow)} periods over twice the median ({sum(v - median for v in slow) / 1e3:.1f} ms above it).",
+        "",
+        "| period (ms) | at (ms) | annotations starting inside | kernel time (ms) | GPU idle (ms) |",
+        "|---|---|---|---|---|",
+    ]
+    origin = decode[0]["ts"]
+    for period, lo, hi in sorted(periods, key=lambda p: -p[0])[:top]:  # ties: earliest first
+        i, busy = bisect.bisect_left(starts, lo), 0.0
+        while i < len(kernels) and kernels[i]["ts"] < hi:
+            busy += min(kernels[i]["ts"] + kernels[i]["dur"], hi) - kernels[i]["ts"]
+            i += 1
+        inside = collections.Counter(_kind(a) for a in others if lo < a["ts"] < hi)
+        names = ", ".join(f"`{k}` x{n}" for k, n in sorted(inside.items())) or "-"
+        lines.append(
+            f"| {period / 1e3:.2f} | {(lo - origin) / 1e3:.1f} | {names} | {busy / 1e3:.2f} | "
+            f"{max(period - busy, 0) / 1e3:.2f} |"
+        )
+    return lines
+
+
 def summarize(path: str, top: int = 8) -> str:
     events = load(path)
     kernels = _kernels(events)
@@ -84,6 +135,7 @@ def summarize(path: str, top: int = 8) -> str:
             f"| `{name}` | {n} | {sum(v[0] for v in values) / n / 1e3:.2f} | "
             f"{sum(v[1] for v in values) / n / 1e3:.2f} | {period} |"
         )
+    lines += step_periods(events, top=max(top // 2, 3))
     if kernels:
         window = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
         total = sum(k["dur"] for k in kernels)
