@@ -91,3 +91,23 @@ def test_step_periods_name_what_the_slow_steps_hold():
     assert longest == "| 30.00 | 40.0 | `step[EXTEND` x1 | 21.00 | 9.00 |", longest
     # The next row is the first ordinary step: no annotation inside, 7 ms of kernels, 3 ms idle.
     assert lines[lines.index("|---|---|---|---|---|") + 2] == "| 10.00 | 0.0 | - | 7.00 | 3.00 |"
+
+
+def test_extend_per_token_keeps_the_draft_pass_apart():
+    """A target prefill of 512 tokens (5 ms of kernels) and the draft's pass over the same
+    prompts inside a ``draft_extend`` span (0.2 ms): the target's row reads 9.77 µs per
+    token, the draft's 0.39, and a decode step counts in neither."""
+    events = [
+        annotation("step[EXTEND bs=2 toks=512]", 0, 6000),
+        kernel("extend_gemm", 100, 5000),
+        annotation("draft_extend", 6000, 400),
+        annotation("step[EXTEND bs=2 toks=512]", 6050, 300),
+        kernel("draft_gemm", 6100, 200),
+        annotation("step[DECODE bs=2]", 7000, 1000),
+        kernel("decode_gemm", 7100, 800),
+    ]
+
+    text = "\n".join(load_script().extend_per_token(events))
+
+    assert "| target | 1 | 512 | 5.00 | 9.77 |" in text
+    assert "| draft | 1 | 512 | 0.20 | 0.39 |" in text

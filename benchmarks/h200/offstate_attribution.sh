@@ -10,11 +10,13 @@
 #      ITL p50/p99, TTFT, and the dynamic server's steps per mode and catch-ups);
 #   2. prefill only (output 1 token, 8xC requests at C=64): the EAGLE-3 prefill path's
 #      cost beside the baseline's, with no decode step at all (kind prefill_only);
-#   3. for PROFILE_CONFIGS (default baseline dynamic), a torch-profiler trace of PROFILE_STEPS (default 30)
-#      forward steps of a steady load at PROFILE_C (default 64; 8xC requests, PROFILE_REQ_PER_C; the
-#      load's own record in $OUT/logs/profile-load.jsonl) (160 or more see a buffer-full flush of the
-#      default 128-position buffer), summarized on the device (benchmarks/profiles/summarize_trace.py), and
-#      the kernels per decode step of each against the baseline (--diff), in
+#   3. for PROFILE_CONFIGS (default baseline dynamic), a torch-profiler trace of PROFILE_STEPS (default
+#      30) forward steps of a load at PROFILE_C (default 64; 8xC requests, PROFILE_REQ_PER_C; the
+#      load's own record in $OUT/logs/profile-load.jsonl), from the load's first forward
+#      (PROFILE_ALIGN, default 1; 0: 4 s into it) and without Python stacks (PROFILE_STACK, default
+#      0) (160 or more steps see a buffer-full flush of the default 128-position buffer), summarized
+#      on the device (benchmarks/profiles/summarize_trace.py), and the kernels per decode step of
+#      each against the baseline (--diff), in
 #      $OUT/profiles.md; the traces are not brought back (too large).
 #
 # CONFIGS picks the servers (default: baseline dynamic dynamic-t0); dynamic-tN is
@@ -93,14 +95,24 @@ for cfg in $CONFIG_LIST; do
     # 8xC requests: 200 profiled steps end before the load does (4xC did not on 2026-12-03).
     # The plugin's bench client (lib.sh closed_loop): the harness's .gpu/client.py holds at
     # most 100 connections, so it cannot load C=128, and its prompts may share first tokens.
+    # PROFILE_ALIGN=1: the profile starts before the load, so that every server's trace holds
+    # the same forwards (the first wave's prefills, then its decode steps). Started 4 s into
+    # the load (PROFILE_ALIGN=0), the C=128 traces of 2026-12-07 caught different parts of a
+    # wave boundary (5 prefill forwards in one, 12 in the other): h100-20261207f-59f849a.
+    # PROFILE_STACK=0: no Python stacks; with them both servers were host-bound under the
+    # profiler (GPU busy 54% and 70%, decode periods twice the unprofiled ITL), so the step
+    # periods measured the tracing, not the server. 1 brings back the host summary.
     PC=${PROFILE_C:-64}
+    profile() {
+      curl -s -X POST "$URL/start_profile" -H 'Content-Type: application/json' \
+        -d "{\"output_dir\": \"$PROF_ROOT/$cfg\", \"num_steps\": ${PROFILE_STEPS:-30}, \"activities\": [\"CPU\", \"GPU\"], \"with_stack\": $([ "${PROFILE_STACK:-0}" = 1 ] && echo true || echo false), \"profile_prefix\": \"$cfg\"}"
+      echo
+    }
+    [ "${PROFILE_ALIGN:-1}" = 1 ] && profile
     closed_loop "$cfg" "$PC" 256 256 $((${PROFILE_REQ_PER_C:-8} * PC)) "$OUT/logs/profile-load.jsonl" \
       > /dev/null 2>> "$OUT/logs/profile-load.err" &
     LOAD=$!
-    sleep 4
-    curl -s -X POST "$URL/start_profile" -H 'Content-Type: application/json' \
-      -d "{\"output_dir\": \"$PROF_ROOT/$cfg\", \"num_steps\": ${PROFILE_STEPS:-30}, \"activities\": [\"CPU\", \"GPU\"], \"profile_prefix\": \"$cfg\"}"
-    echo
+    [ "${PROFILE_ALIGN:-1}" = 1 ] || { sleep 4; profile; }
     wait $LOAD ;;
   esac
   # The catch-up's histogram keeps its buckets: a flush's time is otherwise only a sum over the

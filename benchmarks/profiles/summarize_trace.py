@@ -9,7 +9,9 @@ time inside them (span - kernel time = the GPU waiting for the host) and the mea
 period between the starts of consecutive ones (what a step costs the server); the decode
 steps' periods as a distribution (median, mean, p90, p99, the time above the median) and
 what lies inside the longest ones (other annotations, kernel time, the GPU idle): where a
-server's mean step exceeds its median, the slow steps say why; the GPU's
+server's mean step exceeds its median, the slow steps say why; the prefill's kernel time per
+prompt token, the target's forwards apart from the draft's (SGLang names each forward
+``step[EXTEND bs=.. toks=..]``; the draft's run inside its ``draft_extend`` span); the GPU's
 busy share of the traced window and the kernel time outside every step annotation
 (work the plugin or SGLang queues between steps); the kernels that take the most time,
 over the trace and inside each annotation kind (mean milliseconds per annotation: which
@@ -102,6 +104,46 @@ def step_periods(events: list[dict], top: int = 5) -> list[str]:
     return lines
 
 
+def _toks(annotation: dict) -> int:
+    for part in annotation["name"].rstrip("]").split():
+        if part.startswith("toks="):
+            return int(part[5:])
+    return 0
+
+
+def extend_per_token(events: list[dict]) -> list[str]:
+    """Kernel time per prompt token of the EXTEND forwards: the target's, and the draft's
+    (an EXTEND forward inside a ``draft_extend`` span: EAGLE-3's draft pass over a prompt,
+    or a catch-up), so that two servers' prefill paths compare per token whatever part of
+    a wave their profiles caught."""
+    annotations = _annotations(events)
+    extends = [a for a in annotations if a["name"].startswith("step[EXTEND") and _toks(a)]
+    if not extends:
+        return []
+    spans = [(a["ts"], a["ts"] + a["dur"]) for a in annotations if _kind(a) == "draft_extend"]
+    kernels = _kernels(events)
+    starts = [k["ts"] for k in kernels]
+    totals = {"target": [0, 0, 0.0], "draft": [0, 0, 0.0]}  # forwards, tokens, kernel µs
+    for a in extends:
+        lo, hi = a["ts"], a["ts"] + a["dur"]
+        role = "draft" if any(s <= lo and hi <= e for s, e in spans) else "target"
+        i, busy = bisect.bisect_left(starts, lo), 0.0
+        while i < len(kernels) and kernels[i]["ts"] < hi:
+            busy += kernels[i]["dur"]
+            i += 1
+        t = totals[role]
+        t[0], t[1], t[2] = t[0] + 1, t[1] + _toks(a), t[2] + busy
+    lines = [
+        "",
+        "| EXTEND forwards | n | prompt tokens | kernel time (ms) | µs per token |",
+        "|---|---|---|---|---|",
+    ]
+    for role, (n, toks, busy) in totals.items():
+        if n:
+            lines.append(f"| {role} | {n} | {toks} | {busy / 1e3:.2f} | {busy / toks:.2f} |")
+    return lines
+
+
 def summarize(path: str, top: int = 8) -> str:
     events = load(path)
     kernels = _kernels(events)
@@ -136,6 +178,7 @@ def summarize(path: str, top: int = 8) -> str:
             f"{sum(v[1] for v in values) / n / 1e3:.2f} | {period} |"
         )
     lines += step_periods(events, top=max(top // 2, 3))
+    lines += extend_per_token(events)
     if kernels:
         window = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
         total = sum(k["dur"] for k in kernels)
