@@ -38,7 +38,9 @@ resume), before a mixed prefill+decode step for its decoding requests, and in pl
 mode before a step at which a gap would outgrow the buffer (then every gap in the
 batch is flushed, so gaps restart together and the next flush is ``capacity`` steps
 away; or, with a flush budget, the largest gaps in pieces of that many positions,
-starting early enough that all are flushed in time: ``PlainGapLog.due_for_flush``).
+starting early enough that all are flushed in time, in a buffer ``flush_slack``
+positions longer so that they start no earlier than a full ``capacity``:
+``PlainGapLog.due_for_flush``).
 The buffer never overflows. What stays stale: a request that finishes while
 plain leaves fewer than ``capacity`` trailing positions unreplayed; a later request
 that reuses that prefix from the radix cache drafts from them (lower acceptance,
@@ -170,16 +172,30 @@ class PlainGapLog:
     SGLang keeps no host mirror of them for some attention backends).
     """
 
-    def __init__(self, pool_size: int, capacity: int, hidden_width: int, hidden_dtype: torch.dtype, device):
+    def __init__(
+        self,
+        pool_size: int,
+        capacity: int,
+        hidden_width: int,
+        hidden_dtype: torch.dtype,
+        device,
+        slack: int = 0,
+    ):
+        """``capacity``: the positions per slot that ``--speculative-catch-up-tokens``
+        asks for; ``slack``: more, that let flushes in pieces start no earlier than a
+        full ``capacity`` (``flush_slack``). ``self.capacity`` is their sum."""
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1, got {capacity}")
+        if slack < 0:
+            raise ValueError(f"slack must be non-negative, got {slack}")
         _check_device_memory(
-            self.bytes_needed(pool_size, capacity, hidden_width, hidden_dtype), capacity, device
+            self.bytes_needed(pool_size, capacity + slack, hidden_width, hidden_dtype), capacity, device
         )
-        self.capacity = capacity
+        self.capacity = capacity + slack
+        self.slack = slack
         self.device = device
-        self.hidden = torch.zeros(pool_size, capacity, hidden_width, dtype=hidden_dtype, device=device)
-        self.tokens = torch.zeros(pool_size, capacity, dtype=torch.int64, device=device)
+        self.hidden = torch.zeros(pool_size, self.capacity, hidden_width, dtype=hidden_dtype, device=device)
+        self.tokens = torch.zeros(pool_size, self.capacity, dtype=torch.int64, device=device)
         self.gap = [0] * pool_size
         # Per slot with a gap: (copy, index) of its gap's first position.
         self._start: list[tuple[HostCopy, int] | None] = [None] * pool_size
@@ -295,6 +311,36 @@ class PlainGapLog:
         index = index if index is not None else GapIndex.of(gap_rows, self.device)
         at = index.slots * self.capacity + index.cols
         return self.hidden.view(-1, self.hidden.shape[-1])[at], self.tokens.view(-1)[at]
+
+
+def flush_slack(capacity: int, budget: int, pool_size: int) -> int:
+    """Positions per slot beyond ``capacity`` for flushes in pieces of ``budget``.
+
+    Pieces must start ``lead`` steps before a full log (``PlainGapLog.due_for_flush``), so
+    in a log of exactly ``capacity`` positions a wave of requests admitted together is
+    flushed at ``capacity - lead + 1`` to ``capacity`` positions, and a request that
+    decodes ``2 x capacity`` tokens plain fills its log a second time just before it
+    ends: flushed twice, where all at once flushes it once (the closed loop's 256-token
+    requests with the default 128 positions: about twice the positions replayed, H200,
+    benchmarks/results/h200-20261203-2c4f5f3/README.md). With ``lead - 1`` more
+    positions the pieces start no earlier than a full ``capacity``, for a batch of every
+    slot (a piece holds ``budget // (capacity + slack)`` logs, so the lead is counted at
+    the larger size). At most a quarter of ``capacity`` more (memory), and no log larger
+    than the budget; where those bounds leave too few, none (the pieces start early, as
+    without slack). 0 without a budget, or one that holds every log."""
+    if budget <= 0 or budget >= pool_size * capacity:
+        return 0
+
+    def first_piece(slack: int) -> int:  # the gap at which a full batch's pieces start
+        return capacity + slack - -(-pool_size // max(1, budget // (capacity + slack))) + 1
+
+    most = max(0, min(capacity // 4, budget - capacity))
+    for slack in range(most + 1):
+        if first_piece(slack) >= capacity:
+            return slack
+    # Out of bounds: the pieces start early with or without slack, and more positions
+    # per flush would replay more, not less (a larger log can mean fewer per piece).
+    return 0
 
 
 # Device memory left free after the log is allocated: SGLang has already sized its
@@ -579,12 +625,14 @@ class DraftCatchUp:
         self.side = side
         busy = side.busy if side is not None else None
         self.replays = ReplayTally(self.device, busy) if passes.top1 is not None else None
+        pool_size = int(req_to_token.shape[0])
         self.log = PlainGapLog(
-            pool_size=int(req_to_token.shape[0]),
+            pool_size=pool_size,
             capacity=capacity,
             hidden_width=hidden_width,
             hidden_dtype=hidden_dtype,
             device=self.device,
+            slack=flush_slack(capacity, flush_tokens, pool_size),
         )
         # The plain step between before_plain_step and after_plain_step: its request slots.
         self._step: list[int] | None = None

@@ -140,7 +140,8 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
                 compat.request_pool_size(self),
                 self.catch_up.nbytes / 2**20,
                 free_memory_note(self.device),
-                f"in pieces of at most {self.settings.flush_tokens} positions ({config.FLUSH_TOKENS_ENV})"
+                f"in pieces of at most {self.settings.flush_tokens} positions ({config.FLUSH_TOKENS_ENV}; "
+                f"{self.catch_up.log.slack} more positions per request, so the pieces start at a full buffer)"
                 if self.settings.flush_tokens
                 else "replay every gap of the batch at once",
                 FLUSH_WITHOUT_LAST_MLP

@@ -27,7 +27,7 @@ import schedule_batches  # noqa: F401  (sets up the CPU import of SGLang first)
 import torch
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from schedule_batches import (
     SpecDecodeCase,
     build_spec_decode_batch,
@@ -47,6 +47,7 @@ from sglang_dynspec.catch_up import (
     PlainGapLog,
     ReplayTally,
     build_catch_up_batch,
+    flush_slack,
 )
 from sglang_dynspec.compat import ForwardMode
 from sglang_dynspec.device_timer import HostCopy
@@ -82,11 +83,17 @@ class PlainGapLogMachine(RuleBasedStateMachine):
         self.committed = {slot: 10 * slot for slot in range(POOL)}  # KV-committed length
         self.counter = 0
 
+    @initialize(slack=st.integers(0, 2))
+    def with_slack(self, slack):
+        # The positions beyond CAPACITY that flushes in pieces add (flush_slack): the
+        # rows are laid out by the whole length.
+        self.log = PlainGapLog(POOL, CAPACITY, WIDTH, torch.float32, "cpu", slack=slack)
+
     @rule(slots=st.sets(st.integers(0, POOL - 1), min_size=1).map(sorted), data=st.data())
     def plain_step(self, slots, data):
         if self.log.is_full(slots):
             # The worker flushes before such a step; recording must refuse, not overflow.
-            assert any(len(self.model[s]) >= CAPACITY for s in slots)
+            assert any(len(self.model[s]) >= CAPACITY + self.log.slack for s in slots)
             with pytest.raises(RuntimeError, match="full"):
                 self._record(slots)
             self.flush(slots)
@@ -167,11 +174,13 @@ def test_given_lengths_override_the_logs_own():
     assert log.gap_rows([0, 1, 2], [10, 11, 12]).committed_lens == [11]
 
 
-def _flush_schedule(bs: int, capacity: int, budget: int, steps: int, joins: dict[int, list[int]]):
+def _flush_schedule(
+    bs: int, capacity: int, budget: int, steps: int, joins: dict[int, list[int]], slack: int = 0
+):
     """Drive ``PlainGapLog.due_for_flush`` over ``steps`` plain steps of ``bs`` request
     slots (``joins``: step -> slots whose request is replaced by a new one, gap 0, as a
     prefill would); return each flush as the gaps it replayed."""
-    log = PlainGapLog(bs, capacity, 1, torch.float32, "cpu")
+    log = PlainGapLog(bs, capacity, 1, torch.float32, "cpu", slack=slack)
     slots, flushes = list(range(bs)), []
     for step in range(steps):
         for i in joins.get(step, ()):
@@ -200,11 +209,13 @@ def test_flushes_keep_every_log_within_its_buffer_and_pieces_within_the_budget(
     bs, capacity, budget, steps, joins
 ):
     joins = {t: [i for i in slots if i < bs] for t, slots in joins.items()}
-    flushes = _flush_schedule(bs, capacity, budget, steps, joins)
+    slack = flush_slack(capacity, budget, bs)  # as DraftCatchUp sizes the log
+    flushes = _flush_schedule(bs, capacity, budget, steps, joins, slack=slack)
+    full = capacity + slack
     for gaps in flushes:
         if 0 < budget < bs * capacity and len(gaps) > 1:
             # A piece exceeds the budget only by gaps that were full.
-            assert sum(g for g in gaps if g < capacity) <= budget or max(gaps) == capacity, gaps
+            assert sum(g for g in gaps if g < full) <= budget or max(gaps) == full, gaps
 
 
 @settings(max_examples=200, deadline=None)
@@ -224,6 +235,57 @@ def test_gaps_that_started_together_are_flushed_in_pieces_of_the_budget(bs, capa
     if budget >= bs * capacity:  # no limit: as without a budget, all at once when one is full
         assert flushes == _flush_schedule(bs, capacity, 0, steps, {})
         assert all(gaps == [capacity] * bs for gaps in flushes)
+
+
+@settings(max_examples=300, deadline=None)
+@given(bs=st.integers(1, 128), capacity=st.integers(4, 160), data=st.data())
+def test_with_the_slack_a_wave_decoding_twice_the_buffer_is_flushed_once(bs, capacity, data):
+    """A wave admitted together whose requests decode ``2 x capacity`` tokens plain and
+    end: all at once, each request is flushed once (at a full log; its second gap ends
+    with it). In pieces, with ``flush_slack``'s extra positions, each is flushed once too,
+    no piece over the budget, where a log of exactly ``capacity`` flushes some twice
+    (shown below at the closed loop's shape)."""
+    least = capacity * -(-bs // capacity)
+    budget = data.draw(st.integers(least, max(least, bs * capacity)), label="budget")
+    slack = flush_slack(capacity, budget, bs)
+    note(f"slack={slack}")
+    flushes = _flush_schedule(bs, capacity, budget, 2 * capacity, {}, slack=slack)
+    assert 0 <= slack <= capacity // 4 and (slack == 0 or capacity + slack <= budget)
+    # The gap at which the first piece of a wave of bs requests starts (due_for_flush's lead).
+    first = capacity + slack - -(-bs // max(1, budget // (capacity + slack))) + 1
+    assert first >= capacity or slack == 0  # slack is given only where it reaches a full buffer
+    if first >= capacity:
+        assert sorted(g for gaps in flushes for g in gaps) == sorted(
+            g for gaps in flushes for g in gaps if g >= capacity
+        )
+        assert sum(map(len, flushes)) == bs, flushes  # every request once
+    assert all(sum(g for g in gaps if g < capacity + slack) <= budget for gaps in flushes), flushes
+    # Never more replayed than in a log of exactly ``capacity``.
+    assert sum(map(sum, flushes)) <= sum(map(sum, _flush_schedule(bs, capacity, budget, 2 * capacity, {})))
+
+
+def test_pieces_without_the_slack_flush_the_closed_loops_requests_twice():
+    """64 requests of 256 tokens, the default 128 positions, pieces of 2,048: the
+    measured case (benchmarks/results/h200-20261203-2c4f5f3/README.md). A log of exactly
+    128 positions flushes every request twice, 1.96x the positions all at once replays;
+    with the slack (4 positions here) once, in 5 pieces."""
+    at_once = sum(map(sum, _flush_schedule(64, 128, 0, 256, {})))
+    tight = sum(map(sum, _flush_schedule(64, 128, 2048, 256, {})))
+    slack = flush_slack(128, 2048, 64)
+    with_slack = _flush_schedule(64, 128, 2048, 256, {}, slack=slack)
+    assert at_once == 64 * 128
+    assert tight == 16_096  # 64 first gaps of 125-128, then 64 second gaps of 125
+    assert slack == 4 and sum(map(len, with_slack)) == 64
+    assert all(sum(gaps) <= 2048 for gaps in with_slack) and len(with_slack) > 1
+
+
+def test_no_slack_without_pieces():
+    assert flush_slack(128, 0, 128) == 0  # all at once
+    assert flush_slack(128, 128 * 128, 128) == 0  # a budget that holds every log
+    assert flush_slack(128, 2048, 128) == 8  # 15 logs of 136 per piece of 2,048: lead 9 at 128 requests
+    assert flush_slack(12, 12, 3) == 0  # a log larger than the budget would overflow every piece
+    # One more position would leave one log per piece of 8, not two: pieces would start earlier.
+    assert flush_slack(4, 8, 16) == 0
 
 
 def test_without_a_budget_every_gap_is_flushed_once_one_log_is_full():
@@ -317,7 +379,7 @@ class FakeDraftPasses:
 AUX_WIDTH = 5
 
 
-def draft_catch_up(made, case, capacity):
+def draft_catch_up(made, case, capacity, flush_tokens=0):
     passes = FakeDraftPasses(case.topk, case.hidden_size)
     reports = []
     catch_up = DraftCatchUp(
@@ -327,6 +389,7 @@ def draft_catch_up(made, case, capacity):
         hidden_dtype=torch.float32,
         passes=DraftPasses(passes.extend, passes.fill_kv),
         report=lambda reason, requests, tokens, timer: reports.append((reason, requests, tokens)),
+        flush_tokens=flush_tokens,
     )
     return catch_up, passes, reports
 
@@ -428,8 +491,8 @@ def test_a_flush_budget_replays_every_position_once_in_pieces(case, budget, data
     steps = data.draw(st.integers(1, min(12, case.reserve)), label="steps")
     made = build_spec_decode_batch(case)
     batch = made.batch
-    catch_up, passes, reports = draft_catch_up(made, case, capacity=4)
-    catch_up.flush_tokens = budget
+    catch_up, passes, reports = draft_catch_up(made, case, capacity=4, flush_tokens=budget)
+    full = 4 + catch_up.log.slack  # flush_slack sized the log for the budget
     start = batch.seq_lens.tolist()
     logged = plain_steps(catch_up, batch, steps, torch.Generator().manual_seed(case.seed % 2**31))
     catch_up.before_speculative_step(batch)
@@ -437,7 +500,7 @@ def test_a_flush_budget_replays_every_position_once_in_pieces(case, budget, data
     bs = case.batch_size
     assert_every_plain_position_replayed_once(passes.calls, batch, start, logged)
     flushes = [tokens for reason, _, tokens in reports if reason is CatchUpReason.BUFFER_FULL]
-    assert all(t <= max(budget, 4) for t in flushes), (flushes, budget)  # a full log is 4
+    assert all(t <= max(budget, full) for t in flushes), (flushes, budget, full)  # one full log
     assert [reason for reason, _, _ in reports][-1:] == (
         [CatchUpReason.RESUME] if bs * steps > sum(flushes) else []
     )
