@@ -14,6 +14,24 @@ case ${SHAPE:-} in
 esac
 export MODEL=${MODEL:-.gpu/models/llama8b}
 DRAFT=${DRAFT:-.gpu/models/eagle3-8b}
+# DRAFT_VOCAB=N: the draft with a vocabulary of N ids instead of the target's (a copy of its
+# config, dummy weights, no hot-token map: draft id = target id), tagged in SHAPE_TAG.
+# ../shared/gpu's drafts have the target's 128,256 ids; the published Llama-3.1-8B EAGLE-3
+# drafts have 32,000, and the draft is weight-bound: on the H100 at C=64 its three steps
+# took 1.37 ms of a 13.2 ms speculative step, about the time to read its weights three
+# times, the lm_head 70% of them (benchmarks/results/h100-20261207g-59f849a/).
+if [ -n "${DRAFT_VOCAB:-}" ]; then
+  SMALL_DRAFT=/tmp/$(basename "$DRAFT")-d$DRAFT_VOCAB
+  mkdir -p "$SMALL_DRAFT"
+  python3 - "$DRAFT/config.json" "$SMALL_DRAFT/config.json" "$DRAFT_VOCAB" <<'PY' || exit 2
+import json, sys
+config = json.load(open(sys.argv[1]))
+config["draft_vocab_size"] = int(sys.argv[3])
+json.dump(config, open(sys.argv[2], "w"))
+PY
+  DRAFT=$SMALL_DRAFT
+  SHAPE_TAG=${SHAPE_TAG:-llama-3.1-8b-dummy}-d$DRAFT_VOCAB
+fi
 COMMON_ARGS=(--model-path "$MODEL" --load-format dummy --skip-tokenizer-init
   --attention-backend triton --sampling-backend pytorch --grammar-backend none
   --host 127.0.0.1 --port "$PORT" --mem-fraction-static 0.7 --max-running-requests 128
