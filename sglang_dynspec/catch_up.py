@@ -229,8 +229,7 @@ class PlainGapLog:
         largest = max(map(gap.__getitem__, pool_indices), default=0)
         if budget <= 0 or budget >= len(pool_indices) * capacity:
             return [i for i in pool_indices if gap[i]] if largest >= capacity else []
-        lead = -(-len(pool_indices) // max(1, budget // capacity))
-        start = max(1, capacity - lead + 1)
+        start = max(1, first_piece_at(capacity, budget, len(pool_indices)))
         if largest < start:
             return []
         chosen, tokens = [], 0
@@ -313,6 +312,14 @@ class PlainGapLog:
         return self.hidden.view(-1, self.hidden.shape[-1])[at], self.tokens.view(-1)[at]
 
 
+def first_piece_at(length: int, budget: int, batch_size: int) -> int:
+    """The gap at which flushes in pieces of ``budget`` start for ``batch_size`` logs of
+    ``length`` positions that filled together: ``lead`` steps before a full log, where
+    ``lead`` pieces of ``budget // length`` full logs drain them (may be under 1)."""
+    lead = -(-batch_size // max(1, budget // length))
+    return length - lead + 1
+
+
 def flush_slack(capacity: int, budget: int, pool_size: int) -> int:
     """Positions per slot beyond ``capacity`` for flushes in pieces of ``budget``.
 
@@ -330,13 +337,9 @@ def flush_slack(capacity: int, budget: int, pool_size: int) -> int:
     without slack). 0 without a budget, or one that holds every log."""
     if budget <= 0 or budget >= pool_size * capacity:
         return 0
-
-    def first_piece(slack: int) -> int:  # the gap at which a full batch's pieces start
-        return capacity + slack - -(-pool_size // max(1, budget // (capacity + slack))) + 1
-
     most = max(0, min(capacity // 4, budget - capacity))
     for slack in range(most + 1):
-        if first_piece(slack) >= capacity:
+        if first_piece_at(capacity + slack, budget, pool_size) >= capacity:
             return slack
     # Out of bounds: the pieces start early with or without slack, and more positions
     # per flush would replay more, not less (a larger log can mean fewer per piece).

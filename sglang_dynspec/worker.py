@@ -141,7 +141,7 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
                 self.catch_up.nbytes / 2**20,
                 free_memory_note(self.device),
                 f"in pieces of at most {self.settings.flush_tokens} positions ({config.FLUSH_TOKENS_ENV}; "
-                f"{self.catch_up.log.slack} more positions per request, so the pieces start at a full buffer)"
+                f"{self.catch_up.log.slack} more positions per request for them, catch_up.flush_slack)"
                 if self.settings.flush_tokens
                 else "replay every gap of the batch at once",
                 FLUSH_WITHOUT_LAST_MLP

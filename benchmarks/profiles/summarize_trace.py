@@ -56,6 +56,17 @@ def _decode_steps(annotations):
     return [a for a in annotations if "DECODE" in a["name"] or "TARGET_VERIFY" in a["name"]]
 
 
+def _kernel_time(kernels: list[dict], starts: list[float], lo: float, hi: float, clip: bool = False) -> float:
+    """Kernel microseconds of the kernels that start in [lo, hi) (``starts``: their start
+    times, sorted); ``clip``: only the part of each before ``hi``."""
+    i, busy = bisect.bisect_left(starts, lo), 0.0
+    while i < len(kernels) and kernels[i]["ts"] < hi:
+        end = kernels[i]["ts"] + kernels[i]["dur"]
+        busy += (min(end, hi) if clip else end) - kernels[i]["ts"]
+        i += 1
+    return busy
+
+
 def _quantile(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
@@ -64,15 +75,14 @@ def step_periods(events: list[dict], top: int = 5) -> list[str]:
     """The decode steps' periods (start to next start) as a distribution, and the
     ``top`` longest with what runs inside them: the other annotations that start in
     the period (a prefill, a flush, a draft extend), the kernel time and the GPU idle."""
-    decode = _decode_steps(_annotations(events))
+    annotations = _annotations(events)
+    decode = _decode_steps(annotations)
     if len(decode) < 3:
         return []
     kernels = _kernels(events)
     starts = [k["ts"] for k in kernels]
     decode_ids = {id(a) for a in decode}
-    others = [
-        a for a in _annotations(events) if id(a) not in decode_ids and not a["name"].startswith("scheduler.")
-    ]
+    others = [a for a in annotations if id(a) not in decode_ids and not a["name"].startswith("scheduler.")]
     periods = [(b["ts"] - a["ts"], a["ts"], b["ts"]) for a, b in zip(decode, decode[1:])]
     values = sorted(p for p, _, _ in periods)
     median = _quantile(values, 0.5)
@@ -91,10 +101,7 @@ def step_periods(events: list[dict], top: int = 5) -> list[str]:
     ]
     origin = decode[0]["ts"]
     for period, lo, hi in sorted(periods, key=lambda p: -p[0])[:top]:  # ties: earliest first
-        i, busy = bisect.bisect_left(starts, lo), 0.0
-        while i < len(kernels) and kernels[i]["ts"] < hi:
-            busy += min(kernels[i]["ts"] + kernels[i]["dur"], hi) - kernels[i]["ts"]
-            i += 1
+        busy = _kernel_time(kernels, starts, lo, hi, clip=True)
         inside = collections.Counter(_kind(a) for a in others if lo < a["ts"] < hi)
         names = ", ".join(f"`{k}` x{n}" for k, n in sorted(inside.items())) or "-"
         lines.append(
@@ -127,10 +134,7 @@ def extend_per_token(events: list[dict]) -> list[str]:
     for a in extends:
         lo, hi = a["ts"], a["ts"] + a["dur"]
         role = "draft" if any(s <= lo and hi <= e for s, e in spans) else "target"
-        i, busy = bisect.bisect_left(starts, lo), 0.0
-        while i < len(kernels) and kernels[i]["ts"] < hi:
-            busy += kernels[i]["dur"]
-            i += 1
+        busy = _kernel_time(kernels, starts, lo, hi)
         t = totals[role]
         t[0], t[1], t[2] = t[0] + 1, t[1] + _toks(a), t[2] + busy
     lines = [
