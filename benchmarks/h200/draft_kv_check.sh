@@ -8,6 +8,10 @@
 #   chain    EAGLE3 and EAGLE3_DYNAMIC with a chain draft (steps 3, topk 1, 4 draft tokens),
 #            flushes in order
 #   stream   the same with SGLANG_DYNSPEC_FLUSH_STREAM=1 (needs chain's reference)
+#   pieces   the same with buffer-full flushes in pieces (SGLANG_DYNSPEC_FLUSH_TOKENS=PIECE_TOKENS,
+#            default 25) and --max-running-requests 8: a request pool of 9 slots, where pieces
+#            of 25 positions give each 4-position log catch_up.flush_slack's 1 more position
+#            (the start-up log's count goes to the results; needs chain's reference)
 #   control  EAGLE3_DYNAMIC without the catch-up: its plain positions were never written, so it
 #            must differ there (needs chain's reference)
 #   tree     a tree draft (steps 3, topk 4, 8 draft tokens) on both servers (issue 21 §2)
@@ -52,7 +56,7 @@ compare() {  # compare REFERENCE NAME LABEL
   python3 $P compare "/tmp/kv-$1" "/tmp/kv-$2" --label "$3" | tee -a "$RESULTS"
 }
 
-for check in ${CHECKS:-chain stream control tree}; do
+for check in ${CHECKS:-chain stream pieces control tree}; do
   case $check in
     chain)
       serve eagle3 --speculative-algorithm EAGLE3 "${SPEC[@]}" || exit 1
@@ -60,6 +64,11 @@ for check in ${CHECKS:-chain stream control tree}; do
     stream)
       SGLANG_DYNSPEC_FLUSH_STREAM=1 serve dynamic-stream "${DYNAMIC[@]}" \
         && compare eagle3 dynamic-stream "EAGLE3_DYNAMIC, flushes on a side stream" ;;
+    pieces)
+      SGLANG_DYNSPEC_FLUSH_TOKENS=${PIECE_TOKENS:-25} serve dynamic-pieces "${DYNAMIC[@]}" --max-running-requests 8 \
+        && compare eagle3 dynamic-pieces "EAGLE3_DYNAMIC, flushes in pieces of ${PIECE_TOKENS:-25} positions"
+      grep -o "[0-9]* more positions per request" "$OUT/server_dynamic-pieces.log" | head -n 1 \
+        | sed 's/^\([0-9]*\).*/{"kind": "flush_slack", "label": "dynamic-pieces", "slack": \1}/' | tee -a "$RESULTS" ;;
     control)
       serve dynamic-t0 "${DYNAMIC[@]}" --speculative-catch-up-tokens 0 \
         && compare eagle3 dynamic-t0 "EAGLE3_DYNAMIC without the catch-up (control)" ;;
@@ -67,6 +76,6 @@ for check in ${CHECKS:-chain stream control tree}; do
       serve eagle3-tree --speculative-algorithm EAGLE3 "${TREE[@]}" || exit 1
       serve dynamic-tree --speculative-algorithm EAGLE3_DYNAMIC "${TREE[@]}" "${THRESHOLDS[@]}" \
         && compare eagle3-tree dynamic-tree "EAGLE3_DYNAMIC, tree draft (topk 4, 8 draft tokens)" ;;
-    *) echo "CHECKS: chain, stream, control or tree, got $check" >&2; exit 2 ;;
+    *) echo "CHECKS: chain, stream, pieces, control or tree, got $check" >&2; exit 2 ;;
   esac
 done

@@ -27,9 +27,11 @@
 # run the sweep and the prefill-only point; dynamic-plain is EAGLE3_DYNAMIC held plain above 2 requests,
 # for a profile of the off state: PROFILE_CONFIGS="baseline dynamic-plain"; dynamic-graph is
 # EAGLE3_DYNAMIC with SGLANG_DYNSPEC_EAGER_DRAFT_TOKENS=0 (flushes in the draft's prefill graph);
-# dynamic-stream with SGLANG_DYNSPEC_FLUSH_STREAM=1 (flushes on a side stream).
+# dynamic-stream with SGLANG_DYNSPEC_FLUSH_STREAM=1 (flushes on a side stream);
+# dynamic-plain-pieces is dynamic-plain with the flushes in pieces (the A/B of the pieces where
+# the default policy speculates at C=64 and 128 and so flushes nothing).
 # Usage (on the device, repo root): SHAPE=8b PLUGIN_COMMIT=<sha> bash benchmarks/h200/offstate_attribution.sh
-#   e.g. the flush A/B: CONFIGS="baseline dynamic dynamic-pieces" WAVES=4 REPEATS=3 PROFILE_CONFIGS="" ...
+#   e.g. the flush A/B: CONFIGS="baseline dynamic-plain dynamic-plain-pieces" WAVES=4 REPEATS=3 PROFILE_CONFIGS="" ...
 set -u
 source .gpu/device-env.sh || exit 1
 SHAPE=${SHAPE:-8b}
@@ -60,7 +62,7 @@ server_args() {
     dynamic-graph) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
     # dynamic-stream: buffer-full flushes on a side stream (SGLANG_DYNSPEC_FLUSH_STREAM=1).
     dynamic-stream) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
-    dynamic-plain) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics \
+    dynamic-plain | dynamic-plain-pieces) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics \
       --speculative-dynamic-policy threshold --speculative-disable-batch-threshold 2 \
       --speculative-enable-batch-threshold 1 ;;
   esac
@@ -68,7 +70,7 @@ server_args() {
 
 CONFIG_LIST=${CONFIGS:-baseline dynamic dynamic-t0}
 for cfg in $CONFIG_LIST; do
-  if [ "$cfg" = dynamic-pieces ]; then
+  if [ "${cfg%-pieces}" != "$cfg" ]; then
     export SGLANG_DYNSPEC_FLUSH_TOKENS=${FLUSH_TOKENS:-2048}
   else
     unset SGLANG_DYNSPEC_FLUSH_TOKENS
