@@ -347,6 +347,10 @@ HOST_SYMBOLS: tuple[HostSymbols, ...] = (
     HostSymbols(EagleDraftWorker, ("draft_extend_attn_backend", "draft_runner")),
     HostSymbols(TritonAttnBackend, ("extend_attention_fwd",)),
     HostSymbols(LogitsMetadata, ("forward_mode",)),
+    # The draft extend's LM head at the last accepted rows only (LogitsAtLastAccepted).
+    HostSymbols(ForwardBatch, ("forward_mode", "spec_info", "next_token_logits_buffer")),
+    HostSymbols(ForwardMode, ("is_draft_extend_v2",)),
+    HostSymbols(EagleDraftExtendInput, ("select_index", "num_accept_tokens", "num_front_tokens?")),
     # Step-cost calibration: the synthetic decode batch and the limits of the grid
     # (synthetic_decode_batch, synthetic_batch_limits, decode_graph_batch_sizes).
     HostSymbols(EAGLEWorkerV2, ("token_to_kv_pool_allocator", "topk")),
@@ -1018,6 +1022,93 @@ def use_split_kv_draft_extend(
         True,
         f"SGLang's split-KV verify kernel (verify_splitkv.py){splits} for the draft extend's "
         f"{backends[0].num_draft_tokens} positions per request, {scratch}",
+    )
+
+
+class LogitsAtLastAccepted(torch.nn.Module):
+    """Stands in for the draft model's ``logits_processor``: in the draft extend after a
+    verify (``DRAFT_EXTEND_V2``) the LM head runs only at each request's last accepted
+    row, the one row per request whose logits and hidden state the worker keeps (its
+    ``select_index`` in ``_draft_extend_for_decode``, both versions), instead of at all
+    ``--speculative-num-draft-tokens`` rows.
+
+    Why: that LM head is the draft extend's largest kernel (0.68 of 1.94 ms per step on
+    the H100 at prompt 1024, benchmarks/results/h100-20261207g-59f849a/profiles-spec.md;
+    the harness's draft head has the target's 128,256 ids). SGLang 0.5.23's draft-extend
+    graph does the same (its runner sets ``EagleDraftExtendInput.select_index``, which
+    both versions' logits processors honour); 0.5.17's does not, and neither version's
+    eager path does. Where the host has set ``select_index`` already, nothing changes.
+
+    The kept rows go back to their places in a tensor of every row's size (the logits
+    buffer the forward was given, where it has that shape), so the worker's own gather
+    finds them; the other rows are never read (zeros outside a CUDA graph, where the
+    new tensor would otherwise hold whatever the allocator gave, for SGLang's optional
+    NaN probe of the whole tensor). The logits of a kept row are the same arithmetic on
+    fewer rows: a GEMM of another height may round differently, which can change a
+    draft proposal, never an output token (the target verifies every proposal)."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, hidden_states, lm_head, logits_metadata, *args, **kwargs):
+        spec = getattr(logits_metadata, "spec_info", None)
+        if (
+            not isinstance(logits_metadata, ForwardBatch)
+            or not logits_metadata.forward_mode.is_draft_extend_v2()
+            or not isinstance(spec, EagleDraftExtendInput)
+            or spec.select_index is not None
+            or spec.num_accept_tokens is None
+            or spec.num_tokens_per_req <= 1
+            or getattr(spec, "num_front_tokens", 0)  # 0.5.17's widened window: other rows
+        ):
+            return self.inner(input_ids, hidden_states, lm_head, logits_metadata, *args, **kwargs)
+        rows, width = hidden_states.shape[0], spec.num_tokens_per_req
+        kept = rows // width
+        select = (
+            torch.arange(kept, dtype=torch.int64, device=hidden_states.device) * width
+            + spec.num_accept_tokens[:kept].to(torch.int64)
+            - 1
+        )
+        spec.select_index = select
+        try:
+            out = self.inner(input_ids, hidden_states, lm_head, logits_metadata, *args, **kwargs)
+        finally:
+            spec.select_index = None
+        logits = out.next_token_logits
+        if logits is None or logits.shape[0] != kept:  # an autotuning dummy run: no logits
+            return out
+        buffer = logits_metadata.next_token_logits_buffer
+        if (
+            buffer is not None
+            and tuple(buffer.shape) == (rows, logits.shape[1])
+            and buffer.dtype == logits.dtype
+        ):
+            full = buffer
+        elif logits.is_cuda and torch.cuda.is_current_stream_capturing():
+            full = logits.new_empty((rows, logits.shape[1]))
+        else:
+            full = logits.new_zeros((rows, logits.shape[1]))
+        out.next_token_logits = full.index_copy_(0, select, logits)
+        hidden = out.hidden_states
+        if hidden is not None and hidden.shape[0] == kept:  # LAST capture (the graph's) prunes it too
+            out.hidden_states = hidden.new_empty((rows, *hidden.shape[1:])).index_copy_(0, select, hidden)
+        return out
+
+
+def use_last_accepted_logits(spec_worker) -> str:
+    """Wrap the draft model's logits processor in :class:`LogitsAtLastAccepted` (before
+    the draft-extend graph is captured, which records it). Returns a note for the log."""
+    model = spec_worker.draft_worker.draft_runner.model
+    inner = getattr(model, "logits_processor", None)
+    if isinstance(inner, LogitsAtLastAccepted):
+        return "already in place"
+    if not isinstance(inner, LogitsProcessor):
+        return f"not used: the draft model ({type(model).__name__}) has no SGLang logits processor to wrap"
+    model.logits_processor = LogitsAtLastAccepted(inner)
+    return (
+        f"the draft extend after each verify computes the draft's logits at each request's last accepted "
+        f"position only (1 of {spec_worker.server_args.speculative_num_draft_tokens} positions per request)"
     )
 
 

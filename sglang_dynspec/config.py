@@ -239,6 +239,11 @@ SPLITS_BY_BATCH_ENV = "SGLANG_DYNSPEC_SPLIT_KV_SPLITS_BY_BATCH"
 # (benchmarks/results/h100-20261207-e76add8/README.md), hence on by default; 0: SGLang's
 # prefill kernel (an A/B).
 SPLIT_KV_DRAFT_EXTEND_ENV = "SGLANG_DYNSPEC_SPLIT_KV_DRAFT_EXTEND"
+# 1: in the draft extend after each verify the draft's LM head runs only at each request's
+# last accepted position, the one whose logits the worker keeps, instead of at every draft
+# position (compat.LogitsAtLastAccepted; SGLang 0.5.23's draft-extend graph does the same,
+# 0.5.17's does not). Off until a device call has checked it with CUDA graphs and timed it.
+LAST_ACCEPTED_LOGITS_ENV = "SGLANG_DYNSPEC_LAST_ACCEPTED_LOGITS"
 # Where the start-up step-cost tables are cached (cost_cache); "off" disables the cache.
 COST_CACHE_ENV = "SGLANG_DYNSPEC_COST_CACHE"
 
@@ -350,6 +355,8 @@ class Settings:
     splits_by_batch: bool = _set_by(SPLITS_BY_BATCH_ENV)
     # True: the draft extend's attention through the split-KV kernel too
     split_kv_draft_extend: bool = _set_by(SPLIT_KV_DRAFT_EXTEND_ENV)
+    # True: the draft extend's LM head at the last accepted positions only
+    last_accepted_logits: bool = _set_by(LAST_ACCEPTED_LOGITS_ENV)
     # False: plain steps run eagerly (saves the graph's memory)
     plain_cuda_graph: bool = _set_by(PLAIN_CUDA_GRAPH_ENV)
     # True: per-request step modes in meta_info (REQUEST_MODES_KEY)
@@ -480,6 +487,7 @@ def settings_from_environ(environ: Mapping[str, str] = os.environ) -> Settings:
         grouped_verify=grouped,
         splits_by_batch=env_bool(SPLITS_BY_BATCH_ENV, True, environ),
         split_kv_draft_extend=env_bool(SPLIT_KV_DRAFT_EXTEND_ENV, True, environ),
+        last_accepted_logits=env_bool(LAST_ACCEPTED_LOGITS_ENV, False, environ),
         penalties=penalties_from_environ(environ),
         plain_cuda_graph=env_bool(PLAIN_CUDA_GRAPH_ENV, True, environ),
         request_modes=env_bool(REQUEST_MODES_ENV, False, environ),

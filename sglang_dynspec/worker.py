@@ -98,6 +98,12 @@ class DynamicEagleWorker(compat.EAGLEWorkerV2):
             if self.settings.splits_by_batch and draft.split_kv:
                 names += f", {config.SPLITS_BY_BATCH_ENV}"
             self._log_attention("draft extend", names, draft)
+        if self.settings.last_accepted_logits:
+            note = compat.use_last_accepted_logits(self)
+            if self._first_rank:
+                logger.info(
+                    "[sglang-dynspec] draft extend logits (%s): %s", config.LAST_ACCEPTED_LOGITS_ENV, note
+                )
 
     def _log_attention(self, what: str, names: str, choice: compat.VerifyAttention) -> None:
         if self._first_rank:

@@ -219,6 +219,7 @@ def test_readme_flags_table_lists_every_flag_with_its_default():
         config.GROUPED_VERIFY_ENV,
         config.SPLITS_BY_BATCH_ENV,
         config.SPLIT_KV_DRAFT_EXTEND_ENV,
+        config.LAST_ACCEPTED_LOGITS_ENV,
         config.PLAIN_CUDA_GRAPH_ENV,
         config.REQUEST_MODES_ENV,
         config.COST_CACHE_ENV,

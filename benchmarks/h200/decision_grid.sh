@@ -14,7 +14,8 @@
 #   CONFIGS: the servers, in order (default: baseline eagle3 dynamic); also dynamic-tN
 #     (catch-up buffer N), dynamic-splitkv, dynamic-prefill-verify, dynamic-grouped,
 #     dynamic-draft-splitkv / dynamic-prefill-draft-extend (the draft extend through the
-#     split-KV kernel, the default, or SGLang's prefill kernel), and
+#     split-KV kernel, the default, or SGLang's prefill kernel), dynamic-last-logits (the
+#     draft extend's LM head at the last accepted rows only), and
 #     eagle3-sK / dynamic-sK (issue 20 item 4: a draft of K = 1 or 2 steps, K+1 draft
 #     tokens, at the acceptance the 3-step chain's would give K steps: see chain_acc)
 #   C, REPEATS, WAVES: override the row's sweep
@@ -75,7 +76,7 @@ server_args() {
     # The target's verify attention through SGLang's split-KV kernel (issue 20; the default
     # since the commit after 8c5c7b8, named for results measured before) or its prefill kernel,
     # or through the grouped-head kernel first (SGLANG_DYNSPEC_GROUPED_VERIFY).
-    dynamic-splitkv | dynamic-prefill-verify | dynamic-grouped | dynamic-sglang-splits | dynamic-draft-splitkv | dynamic-prefill-draft-extend) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
+    dynamic-splitkv | dynamic-prefill-verify | dynamic-grouped | dynamic-sglang-splits | dynamic-draft-splitkv | dynamic-prefill-draft-extend | dynamic-last-logits) echo --speculative-algorithm EAGLE3_DYNAMIC "${SPEC[@]}" --enable-metrics ;;
     eagle3-s[12] | dynamic-s[12]) local k=${1#*-s} algo=EAGLE3; [ "${1%%-*}" = dynamic ] && algo=EAGLE3_DYNAMIC
       echo --speculative-algorithm $algo "${EAGLE_ARGS[@]}" --speculative-num-steps "$k" --speculative-eagle-topk 1 \
         --speculative-num-draft-tokens $((k + 1)) --enable-metrics ;;
@@ -102,7 +103,7 @@ jsonl() { python3 -c "import json,sys; print(json.dumps(dict(a.split('=',1) for 
 
 for cfg in ${CONFIGS:-baseline eagle3 dynamic}; do
   t0=$SECONDS
-  unset SGLANG_DYNSPEC_SPLIT_KV_SPLITS_BY_BATCH SGLANG_DYNSPEC_SPLIT_KV_DRAFT_EXTEND
+  unset SGLANG_DYNSPEC_SPLIT_KV_SPLITS_BY_BATCH SGLANG_DYNSPEC_SPLIT_KV_DRAFT_EXTEND SGLANG_DYNSPEC_LAST_ACCEPTED_LOGITS
   case $cfg in
     dynamic-splitkv) export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=1 SGLANG_DYNSPEC_GROUPED_VERIFY=0 ;;
     dynamic-prefill-verify) export SGLANG_DYNSPEC_SPLIT_KV_VERIFY=0 SGLANG_DYNSPEC_GROUPED_VERIFY=0 ;;
@@ -114,6 +115,9 @@ for cfg in ${CONFIGS:-baseline eagle3 dynamic}; do
     # The draft extend's attention through the split-KV kernel (issue 20 §3; the default since
     # the commit after e76add8, named for results measured before) or SGLang's prefill kernel.
     dynamic-draft-splitkv) export SGLANG_DYNSPEC_SPLIT_KV_DRAFT_EXTEND=1
+      unset SGLANG_DYNSPEC_SPLIT_KV_VERIFY SGLANG_DYNSPEC_GROUPED_VERIFY ;;
+    # The draft extend's LM head at the last accepted rows only (SGLANG_DYNSPEC_LAST_ACCEPTED_LOGITS).
+    dynamic-last-logits) export SGLANG_DYNSPEC_LAST_ACCEPTED_LOGITS=1
       unset SGLANG_DYNSPEC_SPLIT_KV_VERIFY SGLANG_DYNSPEC_GROUPED_VERIFY ;;
     dynamic-prefill-draft-extend) export SGLANG_DYNSPEC_SPLIT_KV_DRAFT_EXTEND=0
       unset SGLANG_DYNSPEC_SPLIT_KV_VERIFY SGLANG_DYNSPEC_GROUPED_VERIFY ;;
