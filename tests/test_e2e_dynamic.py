@@ -38,7 +38,6 @@ from dynspec_testbed.workload import (
     waves_of,
 )
 from sglang_dynspec.config import (
-    LAST_ACCEPTED_LOGITS_ENV,
     REQUEST_MODES_ENV,
     REQUEST_MODES_KEY,
     SPLIT_KV_DRAFT_EXTEND_ENV,
@@ -195,16 +194,11 @@ def test_overlap_topk4_random_pair_crash_scenario(tiny_models, reference, tmp_pa
 
 
 def test_overlap_topk1_agreeing_pair_keeps_full_acceptance(tiny_models, reference, tmp_path):
-    """The agreeing pair accepts every draft of a chain; right after plain phases it still does.
-
-    With the draft extend's LM head at the last accepted rows only
-    (``SGLANG_DYNSPEC_LAST_ACCEPTED_LOGITS``): a proposal taken from any other row would be
-    another position's token, and the full acceptance below would fail."""
+    """The agreeing pair accepts every draft of a chain; right after plain phases it still does."""
     steps = 3
     args = dynamic_args(tiny_models, "agree", steps=steps, topk=1, draft_tokens=4, disable_above=3, dwell=2)
     log = tmp_path / "server.log"
-    env = {**OVERLAP_CI_ENV, SPLIT_KV_VERIFY_ENV: "1", LAST_ACCEPTED_LOGITS_ENV: "1"}
-    with CpuServer(args, log_path=log, env=env) as server:
+    with CpuServer(args, log_path=log, env={**OVERLAP_CI_ENV, SPLIT_KV_VERIFY_ENV: "1"}) as server:
         got = {**run_waves(server.url, WAVES), **run_waves(server.url, CRASH_WAVES)}
         assert_switched_both_ways_and_no_leak(server)
         counters = plugin_counters(server.url)
@@ -236,7 +230,3 @@ def test_overlap_topk1_agreeing_pair_keeps_full_acceptance(tiny_models, referenc
         in (log.read_text())
     )
     assert "(--speculative-draft-attention-backend triton)" in log.read_text()
-    assert (
-        f"draft extend logits ({LAST_ACCEPTED_LOGITS_ENV}): the draft extend after each verify computes the "
-        "draft's logits at each request's last accepted position only (1 of 4 positions per request)"
-    ) in log.read_text()

@@ -6,12 +6,15 @@ module stands in for SGLang's logits processor and keeps its contract for
 ``spec_info.select_index`` set, the LM head runs at those rows only, and a LAST hidden
 capture is pruned the same way; FULL capture keeps every row. The worker then reads
 ``logits[select_index]`` and ``hidden[select_index]`` with its own ``select_index``
-(``i * width + accept_len_i - 1``), which is what these tests read too. On real servers,
-``tests/test_e2e_dynamic.py``'s agreeing pair runs with the wrapper and must still accept
-every draft (a wrong row would propose another position's token).
+(``i * width + accept_len_i - 1``), which is what these tests read too.
+On a real server (CPU test bed, ``server`` mark), the counting pair, whose right proposal
+depends on the position: with the wrapper every speculative step still accepts the whole
+chain, which a proposal taken from any other row would not.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import schedule_batches  # noqa: F401  (sets up the CPU import of SGLang first)
@@ -19,6 +22,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dynspec_testbed.server import OVERLAP_CI_ENV, assert_no_kv_left, dynamic_server_args, serve
+from dynspec_testbed.workload import random_requests, run_waves
 from sglang_dynspec import compat, config
 from sglang_dynspec.compat import EagleDraftExtendInput, ForwardBatch, ForwardMode, LogitsAtLastAccepted
 
@@ -145,3 +150,45 @@ def test_it_leaves_every_other_forward_alone(case):
 def test_off_by_default_until_a_device_check():
     assert config.settings_from_environ({}).last_accepted_logits is False
     assert config.settings_from_environ({config.LAST_ACCEPTED_LOGITS_ENV: "1"}).last_accepted_logits is True
+
+
+# One request alone, then five together: all below the threshold of 8, so every decode
+# step speculates (one draft step, two draft tokens: width 2, accept length 1 or 2).
+COUNT_WAVES = [
+    random_requests(1, seed=51, prefix="alone", new_tokens=(40, 40)),
+    random_requests(5, seed=52, prefix="five", new_tokens=(30, 30)),
+]
+
+
+@pytest.mark.server
+def test_the_counting_pair_accepts_every_draft_with_it(tiny_models, tmp_path):
+    args = dynamic_server_args(
+        tiny_models,
+        "count",
+        steps=1,
+        draft_tokens=2,
+        disable_above=8,
+        extra=["--max-running-requests", 16, "--enable-metrics"],
+    )
+    log = tmp_path / "server.log"
+
+    def run(url):
+        outputs = run_waves(url, COUNT_WAVES, batched=True)
+        assert_no_kv_left(url, timeout=60)
+        return outputs
+
+    env = {**OVERLAP_CI_ENV, config.LAST_ACCEPTED_LOGITS_ENV: "1"}
+    outputs = serve(args, run, log_path=log, env=env)
+    assert (
+        f"draft extend logits ({config.LAST_ACCEPTED_LOGITS_ENV}): the draft extend after each verify computes "
+        "the draft's logits at each request's last accepted position only (1 of 2 positions per request)"
+    ) in log.read_text()
+    prompts = {r.rid: r.input_ids for wave in COUNT_WAVES for r in wave}
+    for rid, out in outputs.items():
+        ids, meta = out["output_ids"], out["meta_info"]
+        start = prompts[rid][-1]
+        assert ids == [(start + 1 + i) % 512 for i in range(len(ids))], rid  # what the target alone emits
+        # Every step accepted its draft: 2 tokens per verify step after the prefill's
+        # first (the last step may commit one, at the length limit).
+        full = math.ceil((len(ids) - 1) / 2)
+        assert meta["spec_verify_ct"] <= full + 1, (rid, len(ids), meta["spec_verify_ct"])
