@@ -1096,6 +1096,18 @@ class LogitsAtLastAccepted(torch.nn.Module):
         return out
 
 
+def draft_extend_logits_rows(spec_worker) -> str:
+    """``"last-accepted"`` where :func:`use_last_accepted_logits` wrapped the draft's logits
+    processor, else ``"all"``; part of the step-cost cache key (a table timed without it
+    was read by a server with it on an H100, 2026-12-08)."""
+    model = spec_worker.draft_worker.draft_runner.model
+    return (
+        "last-accepted"
+        if isinstance(getattr(model, "logits_processor", None), LogitsAtLastAccepted)
+        else "all"
+    )
+
+
 def use_last_accepted_logits(spec_worker) -> str:
     """Wrap the draft model's logits processor in :class:`LogitsAtLastAccepted` (before
     the draft-extend graph is captured, which records it). Returns a note for the log."""
@@ -1295,6 +1307,7 @@ def step_cost_key(spec_worker, grid) -> dict:
         "tp": parallel_state.get_tensor_model_parallel_world_size(),
         "attention": str(getattr(args, "attention_backend", None)),
         "verify_attention": verify_attention_kernel(spec_worker),
+        "draft_extend_logits": draft_extend_logits_rows(spec_worker),
         "cuda_graph": not getattr(args, "disable_cuda_graph", False),
         "grid": [list(grid[0]), list(grid[1])],
     }

@@ -192,3 +192,42 @@ def test_the_counting_pair_accepts_every_draft_with_it(tiny_models, tmp_path):
         # first (the last step may commit one, at the length limit).
         full = math.ceil((len(ids) - 1) / 2)
         assert meta["spec_verify_ct"] <= full + 1, (rid, len(ids), meta["spec_verify_ct"])
+
+
+def _sglangs_logits_processor() -> torch.nn.Module:
+    """A real ``LogitsProcessor`` object (its constructor needs SGLang's server globals)."""
+    processor = object.__new__(compat.LogitsProcessor)
+    torch.nn.Module.__init__(processor)
+    return processor
+
+
+def _worker(logits_processor) -> object:
+    import types
+
+    model = types.SimpleNamespace(logits_processor=logits_processor)
+    return types.SimpleNamespace(
+        draft_worker=types.SimpleNamespace(draft_runner=types.SimpleNamespace(model=model)),
+        server_args=types.SimpleNamespace(speculative_num_draft_tokens=4),
+    )
+
+
+def test_the_switch_wraps_sglangs_processor_once_and_the_cost_key_names_it():
+    sglangs = _sglangs_logits_processor()
+    worker = _worker(sglangs)
+    assert compat.draft_extend_logits_rows(worker) == "all"
+    note = compat.use_last_accepted_logits(worker)
+    assert note.endswith("(1 of 4 positions per request)"), note
+    wrapped = worker.draft_worker.draft_runner.model.logits_processor
+    assert isinstance(wrapped, LogitsAtLastAccepted) and wrapped.inner is sglangs
+    # A step-cost table timed without it is not read with it (cost_cache's key).
+    assert compat.draft_extend_logits_rows(worker) == "last-accepted"
+    assert compat.use_last_accepted_logits(worker) == "already in place"
+    assert worker.draft_worker.draft_runner.model.logits_processor is wrapped
+
+
+def test_a_draft_without_sglangs_processor_is_left_alone():
+    other = torch.nn.Identity()
+    worker = _worker(other)
+    assert compat.use_last_accepted_logits(worker).startswith("not used: the draft model (SimpleNamespace)")
+    assert worker.draft_worker.draft_runner.model.logits_processor is other
+    assert compat.draft_extend_logits_rows(worker) == "all"
