@@ -1032,12 +1032,13 @@ class LogitsAtLastAccepted(torch.nn.Module):
     ``select_index`` in ``_draft_extend_for_decode``, both versions), instead of at all
     ``--speculative-num-draft-tokens`` rows.
 
-    Why: that LM head is the draft extend's largest kernel (0.68 of 1.94 ms per step on
-    the H100 at prompt 1024, benchmarks/results/h100-20261207g-59f849a/profiles-spec.md;
-    the harness's draft head has the target's 128,256 ids). SGLang 0.5.23's draft-extend
+    Why: the other rows' logits are computed and dropped. SGLang 0.5.23's draft-extend
     graph does the same (its runner sets ``EagleDraftExtendInput.select_index``, which
     both versions' logits processors honour); 0.5.17's does not, and neither version's
     eager path does. Where the host has set ``select_index`` already, nothing changes.
+    Measured on the H100 (benchmarks/results/h100-20261208b-ec34cd2/): the step's ITL
+    p50 moved by at most 0.2 ms at C=32-128, within the run's spread, so it is off by
+    default (config.LAST_ACCEPTED_LOGITS_ENV).
 
     The kept rows go back to their places in a tensor of every row's size (the logits
     buffer the forward was given, where it has that shape), so the worker's own gather

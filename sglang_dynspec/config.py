@@ -242,7 +242,9 @@ SPLIT_KV_DRAFT_EXTEND_ENV = "SGLANG_DYNSPEC_SPLIT_KV_DRAFT_EXTEND"
 # 1: in the draft extend after each verify the draft's LM head runs only at each request's
 # last accepted position, the one whose logits the worker keeps, instead of at every draft
 # position (compat.LogitsAtLastAccepted; SGLang 0.5.23's draft-extend graph does the same,
-# 0.5.17's does not). Off until a device call has checked it with CUDA graphs and timed it.
+# 0.5.17's does not). Off: on the H100 the step's ITL p50 moved by at most 0.2 ms at C=32-128,
+# within the run's spread (benchmarks/results/h100-20261208b-ec34cd2/README.md), and its
+# proposals with CUDA graphs have not been checked at a real (unsimulated) acceptance.
 LAST_ACCEPTED_LOGITS_ENV = "SGLANG_DYNSPEC_LAST_ACCEPTED_LOGITS"
 # Where the start-up step-cost tables are cached (cost_cache); "off" disables the cache.
 COST_CACHE_ENV = "SGLANG_DYNSPEC_COST_CACHE"
