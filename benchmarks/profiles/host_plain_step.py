@@ -14,11 +14,19 @@ On the CPU, device tensor ops run inline, so their time counts here; on a GPU th
 launches. Read the Python frames (walks over the batch, per-request loops).
 
 Usage: python benchmarks/profiles/host_plain_step.py [--requests 64] [--steps 200]
+       python benchmarks/profiles/host_plain_step.py --ops   # the tensor ops per plain step instead
+
+``--ops`` lists the ATen ops the same hooks dispatch per plain step (outside the target's
+forward and SGLang's own bookkeeping, which this does not run), with their count: on a GPU
+each is a kernel or a copy outside the target's CUDA graph, launched every plain step
+(issue 19: clean plain steps 0.8-1.6% slower than the baseline's on the H200,
+benchmarks/profiles/offstate-attribution-20261208.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import pathlib
 import pstats
@@ -55,6 +63,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--ops", action="store_true", help="count the tensor ops per plain step instead")
     args = parser.parse_args()
     n = args.requests
     case = schedule_batches.SpecDecodeCase(
@@ -109,6 +118,9 @@ def main() -> None:
     for _ in range(32):  # until the policy has its first estimates and goes plain
         step()
     assert controller.policy.mode is Mode.PLAIN
+    if args.ops:
+        print_ops_per_step(step, args.steps)
+        return
     start = time.perf_counter()
     profile = cProfile.Profile()
     profile.enable()
@@ -121,6 +133,28 @@ def main() -> None:
     )
     stats = pstats.Stats(profile)
     stats.sort_stats("cumulative").print_stats(args.top)
+
+
+def print_ops_per_step(step, steps: int) -> None:
+    """The ATen ops ``step`` dispatches, per plain step, with the shape of their first output."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts: collections.Counter = collections.Counter()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            first = out[0] if isinstance(out, (tuple, list)) and out else out
+            shape = tuple(first.shape) if isinstance(first, torch.Tensor) else ()
+            counts[(str(func.overloadpacket.__name__), shape)] += 1
+            return out
+
+    with Count():
+        plain = sum(step() for _ in range(steps))
+    print(f"{plain} plain steps; tensor ops per plain step (op, first output's shape):")
+    for (name, shape), n in counts.most_common():
+        print(f"  {n / plain:6.2f}  {name} {list(shape)}")
+    print(f"  {sum(counts.values()) / plain:6.2f}  in all")
 
 
 if __name__ == "__main__":
