@@ -83,6 +83,14 @@ class EstimateFeed:
         # A replay covers many positions at once: a sample weighs more than one step's counters.
         self._replay_agreement = _Average(0.5)
         self._replay_bias = _Average(0.5)  # counters / replay estimate, when both were fresh
+        # The replay (its decode step) that gave the bias its last sample: each replay gives
+        # at most one, from the first counters measured after it. The counters of a long
+        # speculative phase measure a world the replay before it did not see: where the
+        # acceptance fell while speculating, every agreement of that phase took counters of
+        # 1.0 over a replay of 3.0 as the replay's bias, the plain phase after it scaled every
+        # replay by about 0.6, and a second rise of the acceptance was never acted on
+        # (tests/test_goodput.py's state machine found it, 2026-12-08).
+        self._bias_from_replay = -1
         self._catch_up = [0.0, 0]  # device seconds, positions
         self._counters: dict[object, tuple[int, int]] = {}
         # Decode step of each source's last sample: the freshest one wins.
@@ -243,8 +251,9 @@ class EstimateFeed:
         # How the replay's estimate compared with the counters measured after it.
         if counted is not None and replayed is not None and self.simulated_acceptance is None:
             raw = expected_accept_length(agreed["replay"], self._draft_steps)
-            if self._fresh["counters"] > replay_step >= 0 and raw > 0:
+            if self._fresh["counters"] > replay_step > self._bias_from_replay and raw > 0:
                 self._replay_bias.add(counted / raw)
+                self._bias_from_replay = replay_step
         if replayed is not None and (counted is None or replay_step >= self._fresh["counters"]):
             acceptance, source = (
                 replayed,
