@@ -731,12 +731,9 @@ class DecisionMachine(RuleBasedStateMachine):
             assert self.mode is S, f"plain at true R = {r:.2f}"
 
 
-def test_a_second_rise_of_acceptance_while_plain_brings_speculation_back():
-    """The state machine's find (2026-12-08): acceptance rises while plain (resume), falls
-    while speculating (plain), rises again while plain. The counters of the speculative
-    phase, measured after the fall, must not be taken as the bias of the replay before
-    it: with that bias (about 0.6) every later replay read 1.8 where the truth was 3.0,
-    and the policy stayed plain where speculating is 1.5x faster."""
+def one_request_at_acceptance_one() -> DecisionMachine:
+    """The state machine's failing example of 2026-12-08: one request, exact start-up
+    costs (true R 0.51 at acceptance 1.0, 1.53 at 3.0), a replay without bias."""
     machine = DecisionMachine()
     machine.start(
         spec=(0.00390625, 7.065392179904359e-05, 0.0),
@@ -748,6 +745,16 @@ def test_a_second_rise_of_acceptance_while_plain_brings_speculation_back():
         context=16,
         prefill_every=None,
     )
+    return machine
+
+
+def test_a_second_rise_of_acceptance_while_plain_brings_speculation_back():
+    """The state machine's find (2026-12-08): acceptance rises while plain (resume), falls
+    while speculating (plain), rises again while plain. The counters of the speculative
+    phase, measured after the fall, must not be taken as the bias of the replay before
+    it: with that bias (about 0.6) every later replay read 1.8 where the truth was 3.0,
+    and the policy stayed plain where speculating is 1.5x faster."""
+    machine = one_request_at_acceptance_one()
     for acceptance, mode in [(1.0, P), (3.0, S), (1.0, P), (3.0, S)]:
         machine.set_acceptance(acceptance)
         machine.settle()
@@ -763,17 +770,7 @@ def test_a_second_rise_of_acceptance_while_plain_brings_speculation_back():
     "a plain phase's replays is the candidate fix",
 )
 def test_a_fall_right_after_a_resume_does_not_lock_speculation_out():
-    machine = DecisionMachine()
-    machine.start(
-        spec=(0.00390625, 7.065392179904359e-05, 0.0),
-        plain=(0.002, 2.17300324940106e-05, 0.0),
-        off=(1.0, 1.0, 1.0),
-        acceptance=1.0,
-        bias=1.0,
-        batch=1,
-        context=16,
-        prefill_every=None,
-    )
+    machine = one_request_at_acceptance_one()
     machine.settle()
     machine.set_acceptance(3.0)
     for _ in range(SETTLE_BOUND):
